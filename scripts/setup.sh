@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Set up everything cpn needs on a fresh Debian machine, idempotently:
+#   - a virtual environment in .venv with torch pinned to the CPU build (an unpinned torch
+#     pulls gigabytes of CUDA packages), then cpn itself (editable) with its dev tools;
+#   - iproute2 (ip, tc) for the emulated-WAN benchmarks, when it is missing and we are root;
+#   - the local PostgreSQL server, started if it is installed but not running (the
+#     registry tests run against it and must fail, not skip, when it is unreachable).
+# Re-running is cheap: the Python install is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.cpn-installed
+
+if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing iproute2 (ip, tc)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 >/dev/null
+    fi
+fi
+
+if command -v pg_ctlcluster >/dev/null 2>&1 && command -v pg_isready >/dev/null 2>&1; then
+    if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+        echo "setup: starting PostgreSQL"
+        pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+    fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+    echo "setup: installing Python packages (torch 2.13.0 CPU build first)"
+    "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+    "$VENV/bin/pip" install -q -e ".[dev]"
+    echo "$want" > "$STAMP"
+fi
