@@ -1,0 +1,151 @@
+"""Job: the model to train, how, with which parallel layout, and under what constraints.
+
+The YAML form is documented in docs/contracts.md. A *shard* is one (data-parallel replica,
+pipeline stage) pair: `tp` GPUs inside one node.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from cpn.contracts.topology import Name
+
+
+class Dtype(StrEnum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is Dtype.FP32 else 2
+
+
+class WanCompression(StrEnum):
+    """What data-parallel gradients look like when they cross the WAN."""
+
+    NONE = "none"  # the gradient dtype, dense
+    FP16 = "fp16"  # dense, cast to fp16
+    TOPK = "topk"  # top-k sparsified with error feedback, fp16 values + compact indices
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """A GPT-like decoder: `layers` blocks of attention + MLP with hidden size `hidden`."""
+
+    layers: int = Field(ge=1, le=100_000)
+    hidden: int = Field(ge=1, le=1_000_000)
+    heads: int = Field(ge=1, le=100_000)
+    seq_len: int = Field(ge=1, le=10_000_000)
+    vocab: int = Field(ge=1, le=100_000_000)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelSpec:
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"heads: {self.heads} does not divide hidden ({self.hidden}); "
+                "each head needs hidden/heads dimensions"
+            )
+        return self
+
+
+class TrainSpec(_Strict):
+    global_batch: int = Field(ge=1, description="sequences per iteration, all replicas together")
+    micro_batch: int = Field(ge=1, description="sequences per micro-batch on one replica")
+    dtype: Dtype = Dtype.BF16
+    steps: int = Field(ge=1)
+
+
+class ParallelSpec(_Strict):
+    dp: int = Field(ge=1, le=1_000_000)
+    tp: int = Field(ge=1, le=1024)
+    pp: int = Field(ge=1, le=100_000)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class CompressionSpec(_Strict):
+    wan: WanCompression = WanCompression.NONE
+    density: float | None = Field(
+        default=None, gt=0, le=1, description="fraction of gradient entries sent (topk only)"
+    )
+
+    @model_validator(mode="after")
+    def _density_only_for_topk(self) -> CompressionSpec:
+        if self.density is not None and self.wan is not WanCompression.TOPK:
+            raise ValueError(f"density: only meaningful with wan: topk, not wan: {self.wan}")
+        return self
+
+    @property
+    def effective_density(self) -> float:
+        """Density of the sparse exchange (0.1 % unless given); 1.0 when not sparse."""
+        if self.wan is not WanCompression.TOPK:
+            return 1.0
+        return self.density if self.density is not None else 0.001
+
+
+class ConstraintsSpec(_Strict):
+    gpu_model: Annotated[str, StringConstraints(min_length=1)] | None = None
+    min_gpu_memory_gb: float | None = Field(default=None, gt=0)
+    sites: list[Name] | None = Field(default=None, min_length=1)
+
+
+class JobSpec(_Strict):
+    name: Name
+    model: ModelSpec
+    train: TrainSpec
+    parallel: ParallelSpec | Literal["auto"]
+    gpus: int | None = Field(default=None, ge=1, description="GPU budget, for parallel: auto")
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    constraints: ConstraintsSpec = Field(default_factory=ConstraintsSpec)
+    priority: int = Field(default=0, ge=-1000, le=1000)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.parallel == "auto":
+            if self.gpus is None:
+                raise ValueError("gpus: required with parallel: auto (the GPU budget)")
+            return self
+        par = self.parallel
+        if self.gpus is not None and self.gpus != par.world_size:
+            raise ValueError(
+                f"gpus: {self.gpus} but parallel dp×tp×pp = {par.dp}×{par.tp}×{par.pp} "
+                f"= {par.world_size}"
+            )
+        problem = layout_problem(self.model, self.train, par)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def fixed_parallel(self) -> ParallelSpec:
+        """The explicit layout; for `auto` jobs the scheduler chooses one first."""
+        if self.parallel == "auto":
+            raise ValueError("parallel: auto has no fixed layout yet")
+        return self.parallel
+
+    def with_parallel(self, parallel: ParallelSpec) -> JobSpec:
+        return self.model_copy(update={"parallel": parallel, "gpus": parallel.world_size})
+
+
+def layout_problem(model: ModelSpec, train: TrainSpec, par: ParallelSpec) -> str | None:
+    """Why `par` cannot run this model and batch, as 'field: reason', or None if it can."""
+    if model.layers % par.pp:
+        return f"parallel.pp: {par.pp} does not divide model.layers ({model.layers})"
+    if model.heads % par.tp:
+        return f"parallel.tp: {par.tp} does not divide model.heads ({model.heads})"
+    per_step = par.dp * train.micro_batch
+    if train.global_batch % per_step:
+        return (
+            f"train.global_batch: {train.global_batch} is not a multiple of "
+            f"dp × micro_batch = {par.dp} × {train.micro_batch} = {per_step}"
+        )
+    return None

@@ -1,0 +1,154 @@
+"""Plan: where every shard of a job runs, and what the cost model predicts for it.
+
+`cpn plan --json` prints this; the control plane stores it, agents launch workers from it
+and the runtime builds its process groups from `ranks()`. Documented in docs/contracts.md.
+
+Rank layout (fixed here so that every layer agrees): tensor-parallel index fastest, then the
+data-parallel replica, then the pipeline stage, as in Megatron-LM:
+
+    rank = (stage * dp + replica) * tp + tp_index
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cpn.contracts.job import CompressionSpec, ParallelSpec
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ShardPlacement(_Model):
+    replica: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    site: str
+    node: str
+    gpus: list[int] = Field(min_length=1, description="GPU indices inside the node, tp of them")
+
+
+class BytesPerIteration(_Model):
+    """Bytes sent per training iteration, summed over all senders, by link class.
+
+    `intra_node`: tensor-parallel traffic (NVLink/PCIe). `intra_site`: everything else that
+    stays inside a site (pipeline hops, the in-site phase of data-parallel sync). `wan`:
+    bytes sent from one site to another, each transfer counted once whatever its route.
+    `wan_links`: load per physical WAN link ("a|b", names sorted); a transfer relayed through
+    an intermediate site loads every link on its path, so the sum can exceed `wan`.
+    """
+
+    intra_node: int = Field(ge=0)
+    intra_site: int = Field(ge=0)
+    wan: int = Field(ge=0)
+    wan_links: dict[str, int] = Field(default_factory=dict)
+
+
+class Breakdown(_Model):
+    """Predicted seconds per iteration; the four add up to `predicted_iteration_seconds`."""
+
+    compute: float = Field(ge=0, description="micro-batches × compute of the slowest stage")
+    pipeline: float = Field(ge=0, description="micro-batches × its activation transfer")
+    dp_sync: float = Field(ge=0, description="exposed data-parallel gradient sync")
+    bubble: float = Field(ge=0, description="(pp − 1) pipeline fill and drain slots")
+
+
+class SolverReport(_Model):
+    status: str = Field(description="OPTIMAL, FEASIBLE, HEURISTIC (baselines) or INFEASIBLE")
+    seconds: float = Field(ge=0)
+    objective: float = Field(description="value of the primary objective, in its unit")
+    bound: float = Field(description="proven lower bound on the primary objective")
+    gap: float = Field(ge=0, description="(objective − bound) / objective; 0 when proven optimal")
+    objective_name: str = "wan_bytes"
+    objective_unit: str = "bytes"
+    # parallel: auto only: how the layout search went
+    layouts_considered: int | None = None
+    layouts_solved: int | None = None
+    layouts_pruned: int | None = None
+
+
+class Alternative(_Model):
+    """A runner-up layout considered by `parallel: auto`."""
+
+    parallel: ParallelSpec
+    predicted_iteration_seconds: float
+    wan_bytes: int
+    status: str
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One worker process of a plan."""
+
+    rank: int
+    replica: int
+    stage: int
+    tp_index: int
+    site: str
+    node: str
+    gpu: int
+
+
+class Plan(_Model):
+    job: str
+    objective: str = "wan_bytes"
+    parallel: ParallelSpec
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    micro_batches: int = Field(ge=1, description="micro-batches per replica per iteration")
+    shards: list[ShardPlacement]
+    bytes_per_iteration: BytesPerIteration
+    predicted_iteration_seconds: float = Field(ge=0)
+    breakdown: Breakdown
+    price_per_hour: float = Field(ge=0)
+    solver: SolverReport
+    runners_up: list[Alternative] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_shard_per_replica_stage(self) -> Plan:
+        par = self.parallel
+        want = {(r, p) for r in range(par.dp) for p in range(par.pp)}
+        got = [(s.replica, s.stage) for s in self.shards]
+        if len(got) != len(set(got)) or set(got) != want:
+            raise ValueError(
+                f"shards: need exactly one entry per (replica, stage) for dp={par.dp}, "
+                f"pp={par.pp}; got {len(got)} entries"
+            )
+        for s in self.shards:
+            if len(s.gpus) != par.tp or len(set(s.gpus)) != par.tp:
+                raise ValueError(
+                    f"shards: replica {s.replica} stage {s.stage} lists {s.gpus}, "
+                    f"needs {par.tp} distinct GPUs (tp)"
+                )
+        return self
+
+    def shard(self, replica: int, stage: int) -> ShardPlacement:
+        for s in self.shards:
+            if s.replica == replica and s.stage == stage:
+                return s
+        raise KeyError((replica, stage))
+
+    def ranks(self) -> list[RankInfo]:
+        """Every worker in rank order (see the module docstring for the layout)."""
+        par = self.parallel
+        by_key = {(s.replica, s.stage): s for s in self.shards}
+        out: list[RankInfo] = []
+        for stage in range(par.pp):
+            for replica in range(par.dp):
+                shard = by_key[(replica, stage)]
+                for t, gpu in enumerate(shard.gpus):
+                    rank = (stage * par.dp + replica) * par.tp + t
+                    out.append(RankInfo(rank, replica, stage, t, shard.site, shard.node, gpu))
+        return out
+
+    def sites_used(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for info in self.ranks():
+            seen.setdefault(info.site, None)
+        return list(seen)
+
+
+def rank_of(parallel: ParallelSpec, replica: int, stage: int, tp_index: int) -> int:
+    """The rank of a worker, by the layout in the module docstring."""
+    return (stage * parallel.dp + replica) * parallel.tp + tp_index
