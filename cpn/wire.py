@@ -1,0 +1,108 @@
+"""Sizes of what data-parallel sync puts on the wire: fusion buckets and sparse payloads.
+
+The comm library writes these formats and the cost model predicts them; both call the
+functions here, so a prediction and a measurement can be compared byte for byte.
+
+Sparse payload of one bucket on one rank: exactly `k` values (fp16 by default) followed
+by `k` indices, so that gloo's equal-size all_gather works. Indices use the smallest of:
+  - `packed`: each index in the fewest whole bytes that hold numel − 1 (3 bytes for a
+    4 M-element bucket instead of int32's 4);
+  - `bitmap`: one bit per element, cheaper once the density passes 1/(8·width);
+  - `int32`: plain 32-bit indices (what packed degenerates to for huge buckets).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import StrEnum
+
+#: Tensor fusion: gradients are fused into buckets of at most this many elements
+#: (16 MiB in fp32). 2^22 elements keep packed indices at 3 bytes.
+DEFAULT_BUCKET_ELEMENTS = 1 << 22
+
+
+class IndexEncoding(StrEnum):
+    PACKED = "packed"
+    BITMAP = "bitmap"
+    INT32 = "int32"
+
+
+def fuse(numels: Sequence[int], cap: int = DEFAULT_BUCKET_ELEMENTS) -> list[list[int]]:
+    """Group parameter positions into buckets, last parameter first.
+
+    Gradients become ready from the output backwards, so buckets are filled in reverse
+    parameter order (as DDP does). A parameter larger than `cap` gets a bucket of its own.
+    Returns the positions (into `numels`) of each bucket, in reverse order within it.
+    """
+    if cap < 1:
+        raise ValueError(f"cap: must be ≥ 1, got {cap}")
+    out: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for pos in reversed(range(len(numels))):
+        n = numels[pos]
+        if current and size + n > cap:
+            out.append(current)
+            current, size = [], 0
+        current.append(pos)
+        size += n
+    if current:
+        out.append(current)
+    return out
+
+
+def bucket_numels(numels: Sequence[int], cap: int = DEFAULT_BUCKET_ELEMENTS) -> list[int]:
+    return [sum(numels[p] for p in bucket) for bucket in fuse(numels, cap)]
+
+
+def topk_count(numel: int, density: float) -> int:
+    """How many entries of a `numel`-element bucket a rank sends at `density`."""
+    if numel <= 0:
+        return 0
+    return min(numel, max(1, math.ceil(density * numel)))
+
+
+def index_width(numel: int) -> int:
+    """Bytes per packed index for a bucket of `numel` elements."""
+    return max(1, math.ceil(max(numel - 1, 1).bit_length() / 8))
+
+
+def index_encoding(numel: int, k: int) -> IndexEncoding:
+    packed = index_width(numel) * k
+    bitmap = math.ceil(numel / 8)
+    if bitmap < packed:
+        return IndexEncoding.BITMAP
+    return IndexEncoding.PACKED if index_width(numel) < 4 else IndexEncoding.INT32
+
+
+def index_bytes(numel: int, k: int) -> int:
+    enc = index_encoding(numel, k)
+    if enc is IndexEncoding.BITMAP:
+        return math.ceil(numel / 8)
+    return k * (index_width(numel) if enc is IndexEncoding.PACKED else 4)
+
+
+def sparse_payload_bytes(numel: int, density: float, value_bytes: int = 2) -> int:
+    """Bytes one rank sends for one bucket: k values plus their encoded indices."""
+    k = topk_count(numel, density)
+    if k == 0:
+        return 0
+    return k * value_bytes + index_bytes(numel, k)
+
+
+def ring_chunks(numel: int, parts: int) -> list[int]:
+    """Element counts of the chunks a ring collective splits a tensor into."""
+    base, extra = divmod(numel, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def ring_allreduce_bytes(numel: int, elem_bytes: int, world: int, position: int) -> int:
+    """Bytes the member at `position` of a ring all-reduce sends (reduce-scatter, all-gather).
+
+    Each member sends every chunk but one in each phase; over the ring the total is exactly
+    2·(world − 1)·numel·elem_bytes.
+    """
+    if world <= 1:
+        return 0
+    return 2 * (numel - ring_chunks(numel, world)[position]) * elem_bytes
