@@ -1,0 +1,135 @@
+"""`parallel: auto`: choose dp × tp × pp for a GPU budget, then place it.
+
+Candidates: every factorisation of the budget with tp ≤ the GPUs of the largest eligible
+node and dividing the heads, pp dividing the layers, dp dividing the batch into whole
+micro-batches, and every stage fitting in the memory of some eligible GPU. They are
+solved in order of a lower bound on their iteration time (pure compute on the fastest
+eligible GPU, no communication), each briefly; a candidate whose bound is no better than
+the best plan found so far is pruned without solving. The plan with the best predicted
+iteration time wins (DESIGN.md §4); the next ones are reported as runners-up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from cpn.contracts.job import JobSpec, ParallelSpec, layout_problem
+from cpn.contracts.plan import Alternative, Plan
+from cpn.contracts.reservations import Reservations
+from cpn.contracts.topology import Topology
+from cpn.costmodel import GIB, Workload
+from cpn.errors import InfeasibleError
+from cpn.network import SiteGraph
+from cpn.scheduler.cpsat import Objective, SolverSettings
+from cpn.scheduler.instance import Instance, check_job_against_topology
+from cpn.scheduler.realize import to_plan
+from cpn.scheduler.solve import Solved, place_fixed
+
+RUNNERS_UP = 3
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(job: JobSpec, topology: Topology) -> list[tuple[float, ParallelSpec]]:
+    """Feasible-looking layouts with a lower bound on their iteration time, best first."""
+    assert job.gpus is not None
+    c = job.constraints
+    allowed = set(c.sites) if c.sites else None
+    specs = [
+        n.spec
+        for n in topology.nodes()
+        if (allowed is None or n.site in allowed)
+        and (c.gpu_model is None or n.spec.gpu.model.lower() == c.gpu_model.lower())
+        and (c.min_gpu_memory_gb is None or n.spec.gpu.memory_gb >= c.min_gpu_memory_gb)
+    ]
+    if not specs:
+        return []
+    max_tp = max(s.gpu.count for s in specs)
+    max_mem = max(s.gpu.memory_gb for s in specs)
+    fastest = max(specs, key=lambda s: (s.gpu.tflops, s.intra_node_gbps))
+    out = []
+    for tp in divisors(job.gpus):
+        if tp > max_tp:
+            continue
+        for pp in divisors(job.gpus // tp):
+            dp = job.gpus // (tp * pp)
+            par = ParallelSpec(dp=dp, tp=tp, pp=pp)
+            if layout_problem(job.model, job.train, par):
+                continue
+            w = Workload(job, par)
+            if any(w.memory_bytes(p) > max_mem * GIB for p in range(pp)):
+                continue
+            slot = max(w.compute_seconds(p, fastest) for p in range(pp))
+            out.append(((w.micro_batches + pp - 1) * slot, par))
+    out.sort(key=lambda t: (t[0], t[1].pp, t[1].tp))
+    return out
+
+
+def plan_auto(
+    topology: Topology,
+    job: JobSpec,
+    reservations: Reservations,
+    graph: SiteGraph,
+    objective: Objective,
+    settings: SolverSettings,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    check_job_against_topology(job, topology)
+    cands = candidates(job, topology)
+    if not cands:
+        raise InfeasibleError(
+            f"no dp×tp×pp layout of {job.gpus} GPUs fits: tp must divide heads "
+            f"({job.model.heads}) and fit in one node, pp divide layers ({job.model.layers}), "
+            f"dp divide global_batch/micro_batch, and every stage fit in GPU memory"
+        )
+    per_try = SolverSettings(
+        time_limit=max(0.5, settings.time_limit / len(cands)),
+        workers=settings.workers,
+        seed=settings.seed,
+        dtime_per_second=settings.dtime_per_second,
+        deterministic=settings.deterministic,
+    )
+    start = time.perf_counter()
+    tried: list[tuple[float, ParallelSpec, Instance, Solved]] = []
+    reasons: list[str] = []
+    pruned = 0
+    for i, (bound, par) in enumerate(cands):
+        best = min((t[0] for t in tried), default=float("inf"))
+        if bound >= best:
+            pruned += len(cands) - i  # sorted by bound: every later one is pruned too
+            break
+        if progress is not None:
+            progress(f"[{i + 1}/{len(cands)}] dp={par.dp} tp={par.tp} pp={par.pp}")
+        try:
+            inst, solved = place_fixed(topology, job, par, reservations, graph, objective, per_try)
+        except InfeasibleError as exc:
+            reasons.append(f"dp={par.dp} tp={par.tp} pp={par.pp}: {exc}")
+            continue
+        tried.append((solved.evaluation.iteration_seconds, par, inst, solved))
+    if not tried:
+        raise InfeasibleError(
+            f"none of {len(cands)} layouts of {job.gpus} GPUs can be placed (first: {reasons[0]})"
+        )
+    tried.sort(key=lambda t: (t[0], t[3].evaluation.wan))
+    _, par, inst, solved = tried[0]
+    runners = [
+        Alternative(
+            parallel=p,
+            predicted_iteration_seconds=s.evaluation.iteration_seconds,
+            wan_bytes=s.evaluation.wan,
+            status=s.report.status,
+        )
+        for _, p, _, s in tried[1 : 1 + RUNNERS_UP]
+    ]
+    report = solved.report.model_copy(
+        update={
+            "seconds": time.perf_counter() - start,
+            "layouts_considered": len(cands),
+            "layouts_solved": len(tried),
+            "layouts_pruned": pruned,
+        }
+    )
+    return to_plan(inst, solved.shards, report, objective.value, runners)

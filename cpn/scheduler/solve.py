@@ -1,0 +1,288 @@
+"""Solve a job with a fixed layout: build the instance, solve in phases, map to GPUs.
+
+Phases (see `cpn.scheduler.cpsat` for the model): the compact bytes model first, hinted
+with the better baseline; then the time model with flows between sites, hinted with
+that solution; for the time objective a last pass breaks ties on bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cpn.contracts.job import JobSpec, ParallelSpec
+from cpn.contracts.plan import ShardPlacement, SolverReport
+from cpn.contracts.reservations import Reservations
+from cpn.contracts.topology import Topology
+from cpn.costmodel import Evaluation, Workload
+from cpn.errors import InfeasibleError
+from cpn.network import SiteGraph
+from cpn.scheduler import baselines, heuristics, lns
+from cpn.scheduler.cpsat import (
+    PS,
+    Objective,
+    PhaseReport,
+    PlacementModel,
+    SolverSettings,
+    run,
+)
+from cpn.scheduler.instance import Instance, build_instance, check_capacity, restrict
+from cpn.scheduler.realize import (
+    Counts,
+    complete_flows,
+    counts_of,
+    evaluate_shards,
+    realize,
+)
+
+#: Up to this many candidate sites the time phase may move shards between sites; beyond
+#: it (with the bytes objective) it keeps the bytes phase's counts and chooses flows only.
+FULL_TIME_MODEL_SITES = 16
+#: On large instances, the share of a phase's budget the full CP-SAT solve gets (for its
+#: bound and a first improvement); LNS gets the rest.
+FULL_SOLVE_SHARE = 0.3
+#: Share of the time limit kept for realising and evaluating the final placement.
+FINISH_SHARE = 0.08
+#: Relative error of the time model's integer coefficients against the cost model.
+TIME_MODEL_TOLERANCE = 2e-3
+
+
+def objective_key(objective: Objective) -> Callable[[Evaluation], tuple[float, float]]:
+    """Lexicographic score of an evaluated placement: primary, then the tie-breaker."""
+    if objective is Objective.WAN_BYTES:
+        return lambda ev: (float(ev.wan), ev.iteration_seconds)
+    return lambda ev: (ev.iteration_seconds, float(ev.wan))
+
+
+@dataclass
+class Solved:
+    shards: list[ShardPlacement]
+    evaluation: Evaluation
+    report: SolverReport
+
+
+def _starting_point(inst: Instance, objective: Objective) -> Counts | None:
+    """The best of the baselines and constructive heuristics, as counts with flows.
+
+    Each candidate's replicas are re-matched across stages (`complete_flows`), which
+    only removes needless crossings.
+    """
+    key = objective_key(objective)
+    best: tuple[tuple[float, float], Counts] | None = None
+    for make in (
+        heuristics.chain_fill,
+        heuristics.whole_replicas,
+        heuristics.stage_major,
+        baselines.greedy,
+        baselines.round_robin,
+    ):
+        shards = make(inst)
+        if shards is None:
+            continue
+        counts = complete_flows(inst, Counts(counts_of(inst, shards).shards))
+        score = key(evaluate_shards(inst, realize(inst, counts)))
+        if best is None or score < best[0]:
+            best = (score, counts)
+    return best[1] if best else None
+
+
+def _report(
+    primary: PhaseReport | None, objective: Objective, final: Evaluation, seconds: float
+) -> SolverReport:
+    value = float(final.wan) if objective is Objective.WAN_BYTES else final.iteration_seconds
+    unit = "bytes" if objective is Objective.WAN_BYTES else "seconds"
+    if primary is None or not math.isfinite(primary.value):
+        return SolverReport(
+            status="HEURISTIC",
+            seconds=seconds,
+            objective=value,
+            bound=0.0,
+            gap=1.0 if value > 0 else 0.0,
+            objective_name=objective.value,
+            objective_unit=unit,
+        )
+    bound = min(primary.bound, value)
+    # The time model rounds coefficients (picoseconds, 0.1 % volume units): the solver's
+    # optimum on its model is the plan's, up to that rounding.
+    tolerance = 0.0 if objective is Objective.WAN_BYTES else TIME_MODEL_TOLERANCE
+    optimal = primary.status == "OPTIMAL" and value <= primary.value * (1 + tolerance)
+    gap = 0.0 if optimal or value == 0 else max(0.0, (value - bound) / value)
+    return SolverReport(
+        status="OPTIMAL" if optimal else "FEASIBLE",
+        seconds=seconds,
+        objective=value,
+        bound=value if optimal else bound,
+        gap=gap,
+        objective_name=objective.value,
+        objective_unit=unit,
+    )
+
+
+@dataclass
+class Optimised:
+    counts: Counts
+    report: PhaseReport  # status and proven bound of the full solve; value of the result
+    units: int | None  # the model's objective for `counts`, in its units
+
+
+def optimise(
+    model: PlacementModel,
+    objective: Objective,
+    start: Counts | None,
+    settings: SolverSettings,
+    seconds: float,
+    cap: tuple[Objective, int] | None = None,
+) -> Optimised | None:
+    """A full solve (for the bound), then LNS on what is left if it was not optimal.
+
+    `seconds` is both the deterministic budget (× `settings.dtime_per_second`) and a hard
+    wall-clock limit for the phase. Small instances are usually solved to optimality by
+    the full solve alone; on large ones it gets a share and the deterministic LNS the rest.
+    """
+    began = time.perf_counter()
+    deadline = began + seconds
+    # The start's value under the cap `run` adds below (None: no incumbent for LNS).
+    start_units = model.hint(start, objective, cap) if start is not None else None
+    large = len(model.inst.sites) > FULL_TIME_MODEL_SITES
+    first = seconds * (FULL_SOLVE_SHARE if large else 1.0)
+    wall = max(0.05, min(2 * first, deadline - time.perf_counter()))
+    solver, _, report = run(model, objective, settings, first, cap, wall)
+    if math.isfinite(report.value):
+        counts, units = model.counts(solver), round(solver.objective_value)
+    elif start is not None and start_units is not None:
+        # The full solve found nothing in its share (presolve and the root LP can take it
+        # all on large models): carry on from the start.
+        counts, units = start, start_units
+    else:
+        return None
+    scale = model.bytes_unit if objective is Objective.WAN_BYTES else 1 / PS
+    left_wall = deadline - time.perf_counter()
+    if report.status != "OPTIMAL" and seconds - first > 0.05 and left_wall > 0.1:
+        # LNS works on the model as it is, so a cap added by `run` stays in force.
+        result = lns.improve(model, objective, counts, units, settings, seconds - first, left_wall)
+        if result.improvements:
+            counts, units = result.counts, result.value
+            if model.with_time:
+                # LNS returns counts only; read the flows back from a pinned solve.
+                model.hint(counts, objective, cap)
+                counts = _flows_of_hint(model, counts)
+    if report.value != units * scale:
+        report = PhaseReport(
+            objective, report.status, time.perf_counter() - began, units * scale, report.bound
+        )
+    return Optimised(counts, report, units)
+
+
+def _flows_of_hint(model: PlacementModel, counts: Counts) -> Counts:
+    """Counts with the flows the model's completed hint chose for them."""
+    hint = model.m.proto.solution_hint
+    hinted = dict(zip(hint.vars, hint.values, strict=True))
+    flows = {(p, s, s): hinted.get(v.index, 0) for (p, s), v in model.stay.items()}
+    flows.update({arc: hinted.get(v.index, 0) for arc, v in model.f.items()})
+    return Counts(counts.shards, {k: v for k, v in flows.items() if v})
+
+
+def solve_instance(
+    inst: Instance, objective: Objective, settings: SolverSettings
+) -> Solved:
+    """Place one instance (all its candidate sites joined by the WAN)."""
+    start = time.perf_counter()
+    # Keep a slice of the budget for mapping the result to GPUs and pricing it.
+    budget = settings.time_limit * (1 - FINISH_SHARE)
+
+    def left() -> float:
+        return max(0.05, budget - (time.perf_counter() - start))
+
+    seed = _starting_point(inst, objective)
+
+    # Phase 1: bytes on the compact model (exact for bytes; also the fastest way to a
+    # feasible placement, which the time model then starts from).
+    compact = PlacementModel(inst, with_time=False)
+    share = 0.6 if objective is Objective.WAN_BYTES else 0.25
+    first = optimise(compact, Objective.WAN_BYTES, seed, settings, left() * share)
+    if first is not None:
+        counts = complete_flows(inst, first.counts)
+        best_units: int | None = first.units
+        bytes_phase: PhaseReport | None = first.report
+    elif seed is not None:
+        counts, best_units, bytes_phase = seed, None, None
+    else:
+        raise InfeasibleError(
+            f"no placement of {inst.dp}×{inst.pp} shards satisfies capacity and memory "
+            "per stage on the sites allowed"
+        )
+
+    # Phase 2: iteration time. On small instances the full model (counts free, flows
+    # between every pair of sites); on large ones, with the bytes objective, the counts
+    # of phase 1 stay and only the flows between sites are chosen (a small model).
+    arcs = {k for k in counts.flows if k[1] != k[2]}
+    full = len(inst.sites) <= FULL_TIME_MODEL_SITES or objective is Objective.ITERATION_TIME
+    timed = PlacementModel(
+        inst, with_time=True, extra_arcs=arcs, fixed=None if full else counts
+    )
+    primary: PhaseReport | None = bytes_phase if objective is Objective.WAN_BYTES else None
+    if objective is Objective.WAN_BYTES:
+        cap = (Objective.WAN_BYTES, best_units) if best_units is not None else None
+        second = optimise(timed, Objective.ITERATION_TIME, counts, settings, left(), cap)
+        if second is not None:
+            counts = second.counts
+    else:
+        second = optimise(timed, Objective.ITERATION_TIME, counts, settings, left() * 0.75)
+        if second is not None:
+            primary = second.report
+            counts = second.counts
+            cap_ps = (Objective.ITERATION_TIME, second.units or 0)
+            third = optimise(timed, Objective.WAN_BYTES, counts, settings, left(), cap_ps)
+            if third is not None:
+                counts = third.counts
+
+    shards = realize(inst, counts)
+    ev = evaluate_shards(inst, shards)
+    if seed is not None:
+        # Only when a phase ran out of time can the start be better: never return worse.
+        seed_shards = realize(inst, seed)
+        seed_ev = evaluate_shards(inst, seed_shards)
+        key = objective_key(objective)
+        if key(seed_ev) < key(ev):
+            shards, ev = seed_shards, seed_ev
+    report = _report(primary, objective, ev, time.perf_counter() - start)
+    return Solved(shards, ev, report)
+
+
+def place_fixed(
+    topology: Topology,
+    job: JobSpec,
+    parallel: ParallelSpec,
+    reservations: Reservations,
+    graph: SiteGraph,
+    objective: Objective,
+    settings: SolverSettings,
+) -> tuple[Instance, Solved]:
+    """Place a job with a fixed layout, trying each WAN component if sites are split."""
+    workload = Workload(job, parallel)
+    inst = build_instance(topology, workload, reservations, graph)
+    comps = [c for c in graph.components() if c & set(inst.sites)]
+    if len(comps) == 1:
+        return inst, solve_instance(inst, objective, settings)
+    key = objective_key(objective)
+    best: tuple[Instance, Solved] | None = None
+    reasons = []
+    for comp in comps:
+        try:
+            sub = restrict(inst, set(comp))
+            free = sum(len(n.free_gpus) for g in sub.groups for n in g.nodes)
+            check_capacity(workload, sub.groups, sub.fits, set(comp), free)
+            solved = solve_instance(sub, objective, settings)
+        except InfeasibleError as exc:
+            reasons.append(str(exc))
+            continue
+        if best is None or key(solved.evaluation) < key(best[1].evaluation):
+            best = (sub, solved)
+    if best is None:
+        raise InfeasibleError(
+            "the sites with free GPUs are split into WAN components that cannot reach each "
+            f"other, and no single component fits the job ({reasons[0]})"
+        )
+    return best
