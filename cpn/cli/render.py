@@ -1,0 +1,104 @@
+"""Human-readable output of plans (rich tables)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from rich.console import Console
+from rich.table import Table
+
+from cpn.contracts.plan import Plan
+from cpn.contracts.topology import Topology
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    return f"{s * 1e3:.2f} ms"
+
+
+def render_plan(plan: Plan, topology: Topology, console: Console) -> None:
+    par = plan.parallel
+    comp = plan.compression.wan.value
+    if comp == "topk":
+        comp += f" (density {plan.compression.effective_density:g})"
+    console.print(
+        f"[bold]{plan.job}[/]: dp={par.dp} × tp={par.tp} × pp={par.pp} = {par.world_size} GPUs, "
+        f"{plan.micro_batches} micro-batches per replica, WAN compression {comp}, "
+        f"objective {plan.objective}"
+    )
+
+    placement = Table(title="Placement", title_justify="left")
+    placement.add_column("site")
+    placement.add_column("GPUs", justify="right")
+    placement.add_column("replicas per stage")
+    placement.add_column("nodes", justify="right")
+    per_site: dict[str, Counter[int]] = defaultdict(Counter)
+    nodes: dict[str, set[str]] = defaultdict(set)
+    for shard in plan.shards:
+        per_site[shard.site][shard.stage] += 1
+        nodes[shard.site].add(shard.node)
+    for site in topology.site_names:
+        if site not in per_site:
+            continue
+        stages = per_site[site]
+        desc = "  ".join(f"s{p}×{stages[p]}" for p in sorted(stages))
+        placement.add_row(site, str(sum(stages.values()) * par.tp), desc, str(len(nodes[site])))
+    console.print(placement)
+
+    b = plan.bytes_per_iteration
+    traffic = Table(title="Bytes per iteration", title_justify="left")
+    traffic.add_column("link")
+    traffic.add_column("bytes", justify="right")
+    traffic.add_row("intra-node (tensor parallel)", fmt_bytes(b.intra_node))
+    traffic.add_row("intra-site", fmt_bytes(b.intra_site))
+    traffic.add_row("[bold]WAN[/]", f"[bold]{fmt_bytes(b.wan)}[/]")
+    for key, value in b.wan_links.items():
+        traffic.add_row(f"  link {key.replace('|', ' – ')}", fmt_bytes(value))
+    console.print(traffic)
+
+    t = plan.breakdown
+    timing = Table(title="Predicted time per iteration", title_justify="left")
+    timing.add_column("part")
+    timing.add_column("time", justify="right")
+    timing.add_row("compute", fmt_seconds(t.compute))
+    timing.add_row("pipeline transfers", fmt_seconds(t.pipeline))
+    timing.add_row("pipeline bubble", fmt_seconds(t.bubble))
+    timing.add_row("data-parallel sync", fmt_seconds(t.dp_sync))
+    timing.add_row(
+        "[bold]iteration[/]", f"[bold]{fmt_seconds(plan.predicted_iteration_seconds)}[/]"
+    )
+    console.print(timing)
+    console.print(f"price: {plan.price_per_hour:,.2f} per hour")
+
+    s = plan.solver
+    fmt = fmt_bytes if s.objective_unit == "bytes" else fmt_seconds
+    console.print(
+        f"solver: {s.status} in {s.seconds:.2f} s, {s.objective_name} {fmt(s.objective)}, "
+        f"proven bound {fmt(s.bound)}, gap {s.gap:.1%}"
+    )
+    if s.layouts_considered is not None:
+        console.print(
+            f"layouts: {s.layouts_considered} considered, {s.layouts_solved} solved, "
+            f"{s.layouts_pruned} pruned by their lower bound"
+        )
+    if plan.runners_up:
+        runners = Table(title="Runners-up", title_justify="left")
+        for col in ("dp × tp × pp", "iteration", "WAN bytes", "status"):
+            runners.add_column(col)
+        for alt in plan.runners_up:
+            p = alt.parallel
+            runners.add_row(
+                f"{p.dp} × {p.tp} × {p.pp}",
+                fmt_seconds(alt.predicted_iteration_seconds),
+                fmt_bytes(alt.wan_bytes),
+                alt.status,
+            )
+        console.print(runners)
