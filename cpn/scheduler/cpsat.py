@@ -93,7 +93,7 @@ class SolverSettings:
 
 def rebase(expr: cp_model.LinearExprT, clone: cp_model.CpModel) -> cp_model.LinearExprT:
     """The same linear expression over the variables of a clone of its model."""
-    flat = cmh.FlatIntExpr(expr)
+    flat = cmh.FlatIntExpr(cp_model.LinearExpr.sum([expr]))
     return (
         sum(
             coef * clone.get_int_var_from_proto_index(var.index)

@@ -140,9 +140,7 @@ def realize(inst: Instance, counts: Counts) -> list[ShardPlacement]:
         if len(ids) != len(places):
             raise ValueError(f"stage {p} at {s}: {len(places)} slots for {len(ids)} replicas")
         for replica, (node_name, gpus) in zip(ids, places, strict=True):
-            out.append(
-                ShardPlacement(replica=replica, stage=p, site=s, node=node_name, gpus=gpus)
-            )
+            out.append(ShardPlacement(replica=replica, stage=p, site=s, node=node_name, gpus=gpus))
     out.sort(key=lambda sh: (sh.stage, sh.replica))
     return out
 

@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from cpn.contracts.job import JobSpec, ParallelSpec
 from cpn.contracts.plan import ShardPlacement, SolverReport
@@ -71,13 +72,13 @@ def _starting_point(inst: Instance, objective: Objective) -> Counts | None:
     """
     key = objective_key(objective)
     best: tuple[tuple[float, float], Counts] | None = None
-    for make in (
+    makers: list[Callable[[Instance], list[ShardPlacement] | None]] = [
         heuristics.chain_fill,
-        heuristics.whole_replicas,
-        heuristics.stage_major,
         baselines.greedy,
         baselines.round_robin,
-    ):
+    ]
+    makers += [partial(heuristics.blocks, length=n) for n in heuristics.block_lengths(inst.pp)]
+    for make in makers:
         shards = make(inst)
         if shards is None:
             continue
@@ -184,9 +185,7 @@ def _flows_of_hint(model: PlacementModel, counts: Counts) -> Counts:
     return Counts(counts.shards, {k: v for k, v in flows.items() if v})
 
 
-def solve_instance(
-    inst: Instance, objective: Objective, settings: SolverSettings
-) -> Solved:
+def solve_instance(inst: Instance, objective: Objective, settings: SolverSettings) -> Solved:
     """Place one instance (all its candidate sites joined by the WAN)."""
     start = time.perf_counter()
     # Keep a slice of the budget for mapping the result to GPUs and pricing it.
@@ -219,9 +218,7 @@ def solve_instance(
     # of phase 1 stay and only the flows between sites are chosen (a small model).
     arcs = {k for k in counts.flows if k[1] != k[2]}
     full = len(inst.sites) <= FULL_TIME_MODEL_SITES or objective is Objective.ITERATION_TIME
-    timed = PlacementModel(
-        inst, with_time=True, extra_arcs=arcs, fixed=None if full else counts
-    )
+    timed = PlacementModel(inst, with_time=True, extra_arcs=arcs, fixed=None if full else counts)
     primary: PhaseReport | None = bytes_phase if objective is Objective.WAN_BYTES else None
     if objective is Objective.WAN_BYTES:
         cap = (Objective.WAN_BYTES, best_units) if best_units is not None else None
