@@ -39,7 +39,8 @@ def _root(
 
 
 def _register() -> None:
-    from cpn.cli import plan  # noqa: F401, PLC0415 (registers its command on `app`)
+    # Importing a command module registers its commands on `app`.
+    from cpn.cli import plan, worker  # noqa: F401, PLC0415
 
 
 def main() -> None:
