@@ -161,10 +161,10 @@ def main() -> None:
     table = Table(
         title="3D-parallel runtime on this machine (times: median per step, slowest worker)"
     )
-    for c in cols:
-        table.add_column(c, justify="right")
-    for c in cells:
-        table.add_row(*c)
+    for col in cols:
+        table.add_column(col, justify="right")
+    for cell in cells:
+        table.add_row(*cell)
     Console().print(table)
 
 
