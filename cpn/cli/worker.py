@@ -56,7 +56,9 @@ def worker(
     plan: PlanOpt,
     job: JobOpt,
     rank: Annotated[int | None, typer.Option(help="This worker's rank (default: $RANK).")] = None,
-    metrics: Annotated[Path | None, typer.Option(help="Append per-step JSON lines here.")] = None,
+    metrics: Annotated[
+        Path | None, typer.Option(help="Append per-step JSON lines here ('-': stdout).")
+    ] = None,
     schedule: ScheduleOpt = "1f1b",
     dp_sync: SyncOpt = "hierarchical",
     checkpoint_dir: CkptOpt = None,

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ class TrainOptions:
     checkpoint_every: int = 0  # steps; 0: only at the end when a directory is given
     resume: bool = False
     stop_after: int | None = None  # run up to this step (exclusive) instead of train.steps
-    metrics_path: Path | None = None
+    metrics_path: Path | None = None  # JSON lines per step; "-" for standard output
     timeout_s: float = 300.0
     on_step: StepCallback | None = field(default=None, repr=False)
 
@@ -207,7 +208,14 @@ class Trainer:
         end = min(total, self.opts.stop_after) if self.opts.stop_after is not None else total
         params = list(self.module.parameters())
         history: list[dict[str, Any]] = []
-        sink = self.opts.metrics_path.open("a") if self.opts.metrics_path else None
+        sink: IO[str] | None = None
+        if self.opts.metrics_path is not None:
+            # "-" is standard output (JSON lines), for agents that read the worker's output.
+            sink = (
+                sys.stdout
+                if str(self.opts.metrics_path) == "-"
+                else self.opts.metrics_path.open("a")
+            )
         every = self.opts.checkpoint_every
         try:
             for step in range(start_step, end):
@@ -256,7 +264,7 @@ class Trainer:
                 ):
                     self._checkpoint(done)
         finally:
-            if sink is not None:
+            if sink is not None and sink is not sys.stdout:
                 sink.close()
         return history
 

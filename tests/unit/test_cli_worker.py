@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,3 +96,31 @@ def test_bad_launches(tmp_path: Path) -> None:
             tmp_path, "--plan", plan, "--job", str(tmp_path / "other.yaml"), "--rank", "0", env=env
         )
     )
+
+
+def test_metrics_to_stdout_one_json_line_per_step(tmp_path: Path) -> None:
+    plan, spec = files(tmp_path, dp=1, tp=1, pp=1)
+    from cpn.train.launch import free_port  # noqa: PLC0415
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1"}
+    out = worker(
+        tmp_path,
+        "--plan",
+        plan,
+        "--job",
+        spec,
+        "--rank",
+        "0",
+        "--metrics",
+        "-",
+        "--stop-after",
+        "3",
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(
+        r["loss"] > 0 and set(r["bytes"]) == {"intra_node", "intra_site", "wan"} for r in records
+    )
+    assert {"compute", "pipeline", "dp_sync", "step"} == set(records[0]["seconds"])
