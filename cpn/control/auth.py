@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc import aio
@@ -23,8 +23,9 @@ AGENT_SERVICE_PREFIX = "/cpn.v1.AgentService/"
 #: The site the current call's token belongs to; set only inside AgentService calls.
 authenticated_site: contextvars.ContextVar[str] = contextvars.ContextVar("cpn_authenticated_site")
 
-Handler = grpc.RpcMethodHandler[Any, Any]
-Context = aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:  # the stubs' generics do not exist at run time
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    Context = aio.ServicerContext[Any, Any]
 
 
 def bearer_token(metadata: Any) -> str | None:

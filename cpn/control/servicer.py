@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from grpc import aio
@@ -39,7 +39,8 @@ from proto.cpn.v1 import agent_pb2_grpc
 
 log = logging.getLogger("cpn.control")
 T = TypeVar("T")
-Context = aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:
+    Context = aio.ServicerContext[Any, Any]
 
 
 @dataclass(frozen=True)
