@@ -39,7 +39,7 @@ def _root(
 
 
 def _register() -> None:
-    from cpn.cli import plan  # noqa: F401, PLC0415 (registers its command on `app`)
+    from cpn.cli import agent, db, plan, serve  # noqa: F401, PLC0415 (register their commands)
 
 
 def main() -> None:

@@ -1,0 +1,97 @@
+"""The agent's periodic work, as small event classes with their own interval (the way
+SkyPilot's skylet organises its node agent). `run_events` runs each in its own loop; an
+event whose failure means the session with the control plane is over re-raises, the others
+log and carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from agents.probe import ProbeResult, measure
+
+if TYPE_CHECKING:
+    from agents.agent import Agent
+
+log = logging.getLogger("cpn.agent")
+
+
+class PeriodicEvent(ABC):
+    #: Failing ends the session (reconnect); otherwise the error is logged and retried.
+    fatal = False
+
+    @abstractmethod
+    def interval_s(self, agent: Agent) -> float: ...
+
+    @abstractmethod
+    async def run(self, agent: Agent) -> None: ...
+
+
+class HeartbeatEvent(PeriodicEvent):
+    """Renew the lease at the pace the control plane asked for, with utilisation, health
+    and the newest WAN measurements."""
+
+    fatal = True
+
+    def interval_s(self, agent: Agent) -> float:
+        return agent.heartbeat_interval_s
+
+    async def run(self, agent: Agent) -> None:
+        await agent.heartbeat()
+
+
+class ProbeEvent(PeriodicEvent):
+    """Measure RTT and throughput to one agent of every peer site, one peer at a time."""
+
+    def interval_s(self, agent: Agent) -> float:
+        return agent.config.probe_interval_s
+
+    async def run(self, agent: Agent) -> None:
+        by_site: dict[str, str] = {}
+        for peer in sorted(agent.peers, key=lambda p: (p.site, p.agent_id)):
+            if peer.site != agent.config.site and peer.probe_address:
+                by_site.setdefault(peer.site, peer.probe_address)
+        for site, address in by_site.items():
+            try:
+                result: ProbeResult = await measure(
+                    address, transfer_bytes=agent.config.probe_bytes
+                )
+            except (OSError, TimeoutError, ConnectionError, ValueError) as exc:
+                log.warning("probe to %s (%s) failed: %s", site, address, exc)
+                continue
+            agent.record_link(site, result)
+            log.debug("probe %s: %.2f ms, %.2f Gb/s", site, result.rtt_ms, result.bandwidth_gbps)
+
+
+async def run_events(agent: Agent, events: list[PeriodicEvent]) -> None:
+    """Run every event in its own loop until a fatal one fails (its error propagates)."""
+
+    async def loop(event: PeriodicEvent) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await event.run(agent)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if event.fatal:
+                    raise
+                log.exception(
+                    "%s failed; next try in %.1f s", type(event).__name__, event.interval_s(agent)
+                )
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(max(0.0, event.interval_s(agent) - elapsed))
+
+    tasks = [asyncio.create_task(loop(e), name=type(e).__name__) for e in events]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

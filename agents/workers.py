@@ -1,0 +1,275 @@
+"""Running the workers of a launch order, and ending them on a stop order.
+
+For each rank the order places on this agent's nodes, the agent starts the configured
+worker command (placeholders `{python}`, `{plan}`, `{job}`, `{rank}`, `{job_id}`) with
+the torch.distributed environment: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK and
+LOCAL_RANK, plus CPN_JOB_ID, CPN_SITE, CPN_NODE, CPN_GPU, CPN_STATUS_FILE (see
+agents/status.py), CUDA_VISIBLE_DEVICES for real GPUs, and the order's extra `env`.
+Output goes to `<work dir>/<job id>/rank-<R>.log`.
+
+Status goes out through `report` as `TaskUpdate`s: STARTING, RUNNING, then every change
+the worker writes to its status file, then SUCCEEDED / FAILED (exit code) or STOPPED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from proto.cpn.v1 import agent_pb2 as pb
+
+log = logging.getLogger("cpn.agent")
+
+STATUS_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class TaskUpdate:
+    job_id: str
+    rank: int
+    state: pb.TaskState.ValueType
+    step: int = 0
+    loss: float | None = None
+    bytes_intra_node: int = 0
+    bytes_intra_site: int = 0
+    bytes_wan: int = 0
+    checkpoint_id: str = ""
+    exit_code: int = 0
+    message: str = ""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    node: str
+    gpu: int
+    process: asyncio.subprocess.Process
+    status_file: Path
+    last: TaskUpdate
+    stopping: bool = False
+    offset: int = 0
+    monitor: asyncio.Task[None] | None = None
+
+
+@dataclass
+class WorkerManager:
+    site: str
+    nodes: set[str]
+    command: str
+    work_dir: Path
+    report: Callable[[TaskUpdate], None]
+    real_gpus: bool = False
+    stop_grace_s: float = 10.0
+    _jobs: dict[str, list[_Worker]] = field(default_factory=dict)
+
+    def running(self, job_id: str) -> list[int]:
+        return [w.rank for w in self._jobs.get(job_id, []) if w.process.returncode is None]
+
+    def busy_gpus(self) -> set[tuple[str, int]]:
+        out = set()
+        for workers in self._jobs.values():
+            for w in workers:
+                if w.process.returncode is None:
+                    out.add((w.node, w.gpu))
+        return out
+
+    async def launch(self, order: pb.LaunchOrder) -> list[int]:
+        mine = [r for r in order.ranks if r.site == self.site and r.node in self.nodes]
+        if not mine:
+            log.info("job %s: no ranks on this agent", order.job_id)
+            return []
+        if order.job_id in self._jobs and any(
+            w.process.returncode is None for w in self._jobs[order.job_id]
+        ):
+            log.warning("job %s is already running here; launch order ignored", order.job_id)
+            return []
+        job_dir = self.work_dir / order.job_id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        plan_path = job_dir / "plan.json"
+        job_path = job_dir / "job.yaml"
+        plan_path.write_text(order.plan_json)
+        job_path.write_text(order.job_yaml)
+        workers = []
+        local_rank: dict[str, int] = {}
+        for r in sorted(mine, key=lambda r: r.rank):
+            local = local_rank.get(r.node, 0)
+            local_rank[r.node] = local + 1
+            worker = await self._start(order, r, local, job_dir, plan_path, job_path)
+            if worker is not None:
+                workers.append(worker)
+        self._jobs[order.job_id] = workers
+        return [w.rank for w in workers]
+
+    async def _start(
+        self,
+        order: pb.LaunchOrder,
+        r: pb.RankAssignment,
+        local_rank: int,
+        job_dir: Path,
+        plan_path: Path,
+        job_path: Path,
+    ) -> _Worker | None:
+        status_file = job_dir / f"rank-{r.rank}.status.jsonl"
+        status_file.write_text("")
+        argv = shlex.split(
+            self.command.format(
+                python=shlex.quote(sys.executable),
+                plan=shlex.quote(str(plan_path)),
+                job=shlex.quote(str(job_path)),
+                rank=r.rank,
+                job_id=order.job_id,
+            )
+        )
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=order.master_addr,
+            MASTER_PORT=str(order.master_port),
+            WORLD_SIZE=str(order.world_size),
+            RANK=str(r.rank),
+            LOCAL_RANK=str(local_rank),
+            CPN_JOB_ID=order.job_id,
+            CPN_SITE=r.site,
+            CPN_NODE=r.node,
+            CPN_GPU=str(r.gpu),
+            CPN_STATUS_FILE=str(status_file),
+        )
+        if self.real_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(r.gpu)
+        env.update(dict(order.env))
+        base = TaskUpdate(job_id=order.job_id, rank=r.rank, state=pb.TASK_STATE_STARTING)
+        self.report(base)
+        log_path = job_dir / f"rank-{r.rank}.log"
+        try:
+            with log_path.open("ab") as out:
+                process = await asyncio.create_subprocess_exec(
+                    *argv,
+                    env=env,
+                    cwd=job_dir,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    start_new_session=True,  # its own process group: a stop ends its children
+                )
+        except OSError as exc:
+            self.report(
+                replace(
+                    base, state=pb.TASK_STATE_FAILED, exit_code=127, message=f"cannot start: {exc}"
+                )
+            )
+            return None
+        running = replace(base, state=pb.TASK_STATE_RUNNING)
+        self.report(running)
+        worker = _Worker(
+            rank=r.rank,
+            node=r.node,
+            gpu=r.gpu,
+            process=process,
+            status_file=status_file,
+            last=running,
+        )
+        worker.monitor = asyncio.create_task(self._monitor(worker), name=f"worker-{r.rank}")
+        log.info("job %s rank %d started (pid %d): %s", order.job_id, r.rank, process.pid, argv)
+        return worker
+
+    def _read_status(self, worker: _Worker) -> TaskUpdate | None:
+        try:
+            with worker.status_file.open("rb") as fh:
+                fh.seek(worker.offset)
+                data = fh.read()
+        except OSError:
+            return None
+        end = data.rfind(b"\n")
+        if end < 0:
+            return None
+        worker.offset += end + 1
+        update = worker.last
+        for line in data[: end + 1].splitlines():
+            try:
+                fields: dict[str, Any] = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(fields, dict):
+                update = _merge(update, fields)
+        return update if update != worker.last else None
+
+    async def _monitor(self, worker: _Worker) -> None:
+        while worker.process.returncode is None:
+            update = self._read_status(worker)
+            if update is not None:
+                worker.last = update
+                self.report(update)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.process.wait(), STATUS_POLL_S)
+        code = worker.process.returncode
+        last = self._read_status(worker) or worker.last
+        if worker.stopping:
+            final = replace(last, state=pb.TASK_STATE_STOPPED, exit_code=code)
+        elif code == 0:
+            final = replace(last, state=pb.TASK_STATE_SUCCEEDED, exit_code=0)
+        else:
+            final = replace(
+                last, state=pb.TASK_STATE_FAILED, exit_code=code, message=f"exited with {code}"
+            )
+        worker.last = final
+        self.report(final)
+        log.info(
+            "job %s rank %d ended: %s", final.job_id, final.rank, pb.TaskState.Name(final.state)
+        )
+
+    async def stop(self, job_id: str, reason: str = "") -> int:
+        """SIGTERM the job's workers (their process groups), SIGKILL after the grace."""
+        workers = [w for w in self._jobs.get(job_id, []) if w.process.returncode is None]
+        for w in workers:
+            w.stopping = True
+            _signal_group(w.process, signal.SIGTERM)
+        if workers:
+            log.info(
+                "job %s: stopping %d workers (%s)", job_id, len(workers), reason or "stop order"
+            )
+        for w in workers:
+            try:
+                await asyncio.wait_for(w.process.wait(), self.stop_grace_s)
+            except TimeoutError:
+                _signal_group(w.process, signal.SIGKILL)
+                await w.process.wait()
+        for w in workers:
+            if w.monitor is not None:
+                await w.monitor
+        return len(workers)
+
+    async def stop_all(self) -> None:
+        for job_id in list(self._jobs):
+            await self.stop(job_id, "agent shutting down")
+
+
+def _signal_group(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+
+
+def _merge(update: TaskUpdate, fields: dict[str, Any]) -> TaskUpdate:
+    changes: dict[str, Any] = {}
+    if isinstance(fields.get("step"), int):
+        changes["step"] = max(0, fields["step"])
+    if isinstance(fields.get("loss"), int | float):
+        changes["loss"] = float(fields["loss"])
+    sent = fields.get("bytes")
+    if isinstance(sent, dict):
+        for key in ("intra_node", "intra_site", "wan"):
+            if isinstance(sent.get(key), int):
+                changes[f"bytes_{key}"] = max(0, sent[key])
+    if isinstance(fields.get("checkpoint_id"), str):
+        changes["checkpoint_id"] = fields["checkpoint_id"][:256]
+    if isinstance(fields.get("message"), str):
+        changes["message"] = fields["message"][:4096]
+    return replace(update, **changes)
