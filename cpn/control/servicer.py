@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import grpc
 from grpc import aio
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from cpn.control import validation
 from cpn.control.auth import authenticated_site
@@ -77,7 +78,12 @@ class ControlState:
     task_listeners: list[Callable[[TaskReport], None]] = field(default_factory=list)
 
     async def run_db(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.db, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.db, fn, *args)
+        except SQLAlchemyError as exc:
+            # The database is down or overloaded: a transient condition agents retry.
+            log.exception("registry write failed")
+            raise _Denied(grpc.StatusCode.UNAVAILABLE, "registry unavailable; retry") from exc
 
 
 class _Denied(Exception):
@@ -155,6 +161,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             registered = await self.s.run_db(self._register_tx, reg, lease_id, ttl_ms)
         except NodeOwnedError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{exc.field}: {exc}")
+        except _Denied as exc:
+            await _abort(context, exc)
         lease = LiveLease(
             lease_id=lease_id,
             site=reg.site,
@@ -268,7 +276,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             exit_code=request.exit_code,
             message=request.message,
         )
-        await self.s.run_db(self._task_tx, report)
+        try:
+            await self.s.run_db(self._task_tx, report)
+        except _Denied as exc:
+            await _abort(context, exc)
         for listener in self.s.task_listeners:
             try:
                 listener(report)

@@ -104,7 +104,7 @@ def allocate_gpus(
                 _gpu_query()
                 .where(Site.name == site, Node.name == node, Gpu.index.in_(list(indices)))
                 .with_for_update(of=Gpu)
-            ).tuples()
+            )
             found = {gpu.index: (gpu, s, n) for gpu, s, n in rows}
             for index in indices:
                 if index not in found:
@@ -138,7 +138,7 @@ def allocate_free(
         query = query.where(Site.name == site)
     if session.get_bind().dialect.name == "postgresql":
         query = query.with_for_update(of=Gpu, skip_locked=True)
-    picked = list(session.execute(query).tuples())
+    picked = list(session.execute(query))
     if len(picked) < count:
         raise NoCapacity(f"job {job_id}: asked for {count} GPUs, {len(picked)} free")
     _insert(session, job_id, picked)

@@ -149,17 +149,7 @@ def register_agent(
         node.agent_pk = agent.id
         node.intra_node_gbps = info.intra_node_gbps
         _sync_gpus(node, info)
-        node.rdma_nics = [
-            RdmaNic(
-                device=n.device,
-                port=n.port,
-                transport=n.transport,
-                roce_version=n.roce_version,
-                rate_gbps=n.rate_gbps,
-                state=n.state,
-            )
-            for n in info.nics
-        ]
+        _sync_nics(node, info)
     # Nodes this agent reported before but not now: gone, unless a job holds their GPUs.
     for name, node in existing.items():
         if node.agent_pk != agent.id or name in reported:
@@ -238,3 +228,20 @@ def _sync_gpus(node: Node, info: NodeInfo) -> None:
             gone.status = GpuStatus.LOST  # a job holds it: keep the row so the job sees why
         else:
             node.gpus.remove(gone)
+
+
+def _sync_nics(node: Node, info: NodeInfo) -> None:
+    # Update in place by (device, port): replacing the list would insert the new rows
+    # before deleting the old ones and trip the unique constraint.
+    by_port = {(n.device, n.port): n for n in node.rdma_nics}
+    for n in info.nics:
+        nic = by_port.pop((n.device, n.port), None)
+        if nic is None:
+            nic = RdmaNic(device=n.device, port=n.port)
+            node.rdma_nics.append(nic)
+        nic.transport = n.transport
+        nic.roce_version = n.roce_version
+        nic.rate_gbps = n.rate_gbps
+        nic.state = n.state
+    for gone in by_port.values():
+        node.rdma_nics.remove(gone)

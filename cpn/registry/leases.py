@@ -73,7 +73,7 @@ def apply_heartbeats(session: Session, records: Sequence[HeartbeatRecord]) -> No
         session.execute(update(Gpu), usage)
     links = [(r, link) for r in records for link in r.links]
     if links:
-        site_ids = dict(session.execute(select(Site.name, Site.id)).tuples().all())
+        site_ids = dict(session.execute(select(Site.name, Site.id)).all())
         rows = [
             {
                 "site_id": r.site_id,
@@ -156,5 +156,5 @@ def live_leases(session: Session) -> list[StoredLease]:
         .join(Site, Agent.site_id == Site.id)
         .join(Lease, Lease.agent_pk == Agent.id)
         .where(Agent.status == AgentStatus.ALIVE, Lease.revoked_at.is_(None))
-    ).tuples()
+    )
     return [StoredLease(*row) for row in rows]
