@@ -56,6 +56,12 @@ def generate(out_dir: Path = ROOT) -> list[Path]:
     return sorted(p for p in made.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
+def main(argv: list[str]) -> None:
+    # `--out DIR` generates elsewhere (the drift test compares DIR with the committed files).
+    out = Path(argv[argv.index("--out") + 1]) if "--out" in argv else ROOT
+    for path in generate(out):
+        print(path)
+
+
 if __name__ == "__main__":
-    for path in generate():
-        print(path.relative_to(ROOT))
+    main(sys.argv[1:])
