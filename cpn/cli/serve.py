@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -131,6 +132,7 @@ async def _serve(settings: object, tokens: object, http_sock: socket.socket) -> 
     from sqlalchemy.engine import make_url  # noqa: PLC0415
 
     from api import create_app  # noqa: PLC0415
+    from cpn.cli.http_server import HttpServer  # noqa: PLC0415
     from cpn.control import ControlServer, ControlSettings, SiteTokens  # noqa: PLC0415
     from cpn.registry import Registry  # noqa: PLC0415
 
@@ -141,7 +143,10 @@ async def _serve(settings: object, tokens: object, http_sock: socket.socket) -> 
     config = uvicorn.Config(
         create_app(registry), log_level="warning", access_log=False, lifespan="off"
     )
-    http = uvicorn.Server(config)
+    http = HttpServer(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, http.request_exit)
     http_port = http_sock.getsockname()[1]
     shown = make_url(settings.database_url).render_as_string(hide_password=True)
     print(
@@ -150,7 +155,7 @@ async def _serve(settings: object, tokens: object, http_sock: socket.socket) -> 
         flush=True,
     )
     try:
-        await http.serve(sockets=[http_sock])  # returns on SIGINT/SIGTERM
+        await http.serve(sockets=[http_sock])  # returns after SIGINT/SIGTERM
     finally:
         log.info("shutting down")
         await control.stop()
