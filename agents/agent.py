@@ -19,6 +19,7 @@ import random
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -109,6 +110,7 @@ class Agent:
         self._reports: dict[tuple[str, int], TaskUpdate] = {}
         self._reports_changed = asyncio.Event()
         self._stub: agent_pb2_grpc.AgentServiceAsyncStub | None = None
+        self._beats: Any = None  # the session's HeartbeatStream call, opened on first use
         self.workers = WorkerManager(
             site=config.site,
             nodes={config.node_name},
@@ -175,7 +177,16 @@ class Agent:
                 except _SessionEnded as exc:
                     log.info("%s; reconnecting", exc)
                     await asyncio.sleep(min(backoff.next(), 1.0))
+                except TimeoutError:
+                    delay = backoff.next()
+                    log.warning(
+                        "control plane %s did not answer in time; retrying in %.1f s",
+                        self.config.control,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
                 finally:
+                    self._close_beats()
                     await channel.close(grace=None)
         finally:
             await self.workers.stop_all()
@@ -189,7 +200,7 @@ class Agent:
     async def _connect(self) -> None:
         if self.lease_id is not None:
             try:
-                await self.heartbeat()
+                await self.heartbeat(unary=True)
                 log.info("reconnected with lease %s", self.lease_id)
                 return
             except aio.AioRpcError as exc:
@@ -237,10 +248,18 @@ class Agent:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._close_beats()
 
     # ------------------------------------------------------------------ RPCs
 
-    async def heartbeat(self) -> None:
+    def _close_beats(self) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
+            self._beats = None
+
+    async def heartbeat(self, *, unary: bool = False) -> None:
+        """Renew the lease: on the session's heartbeat stream (cheap for the control plane),
+        or as a unary call (when checking whether a lease is still known)."""
         assert self.lease_id is not None
         usage = await self._usage()
         links = [
@@ -262,7 +281,16 @@ class Agent:
             peers_version=self.peers_version,
         )
         timeout = max(2.0, self.heartbeat_interval_s * 2)
-        response = await self.stub.Heartbeat(request, metadata=self.metadata, timeout=timeout)
+        if unary:
+            response = await self.stub.Heartbeat(request, metadata=self.metadata, timeout=timeout)
+        else:
+            if self._beats is None:
+                self._beats = self.stub.HeartbeatStream(metadata=self.metadata)
+            await asyncio.wait_for(self._beats.write(request), timeout)
+            answer = await asyncio.wait_for(self._beats.read(), timeout)
+            if answer is aio.EOF:  # the server ended the stream without an error
+                raise _SessionEnded("the control plane closed the heartbeat stream")
+            response = answer
         for site in [link.peer_site for link in links]:
             self._links.pop(site, None)  # delivered; newer ones may have arrived meanwhile
         if response.heartbeat_interval_ms:

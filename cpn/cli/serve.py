@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -149,6 +150,9 @@ async def _serve(settings: object, tokens: object, http_sock: socket.socket) -> 
         loop.add_signal_handler(sig, http.request_exit)
     http_port = http_sock.getsockname()[1]
     shown = make_url(settings.database_url).render_as_string(hide_password=True)
+    # Everything loaded so far (modules, the ORM's mappers) lives as long as the process:
+    # keep it out of the cyclic collector's way, which shortens GC pauses on the hot path.
+    gc.freeze()
     print(
         f"cpn serve: gRPC on {settings.host}:{control.port}, HTTP on {settings.host}:{http_port}, "
         f"database {shown}, sites {', '.join(tokens.sites)}",

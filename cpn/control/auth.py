@@ -42,6 +42,9 @@ def bearer_token(metadata: Any) -> str | None:
 class BearerTokenInterceptor(aio.ServerInterceptor):
     def __init__(self, tokens: SiteTokens) -> None:
         self._tokens = tokens
+        # Wrapped handlers per (method, site), built once rather than on every call; kept
+        # with the handler they wrap so that a different handler is never served stale.
+        self._wrapped: dict[tuple[str, str], tuple[Handler, Handler]] = {}
 
     async def intercept_service(
         self,
@@ -60,7 +63,11 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
                 else "invalid token"
             )
             return _deny(handler, reason)
-        return _with_site(handler, site)
+        key = (handler_call_details.method, site)
+        cached = self._wrapped.get(key)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[key] = (handler, _with_site(handler, site))
+        return cached[1]
 
 
 def _with_site(handler: Handler, site: str) -> Handler:
@@ -90,7 +97,18 @@ def _with_site(handler: Handler, site: str) -> Handler:
         return grpc.unary_stream_rpc_method_handler(
             stream, handler.request_deserializer, handler.response_serializer
         )
-    raise TypeError("AgentService has only unary-unary and unary-stream methods")
+    if handler.stream_stream is not None:
+        inner_bidi: Any = handler.stream_stream
+
+        async def bidi(requests: Any, context: Context) -> AsyncIterator[Any]:
+            authenticated_site.set(site)
+            async for item in inner_bidi(requests, context):
+                yield item
+
+        return grpc.stream_stream_rpc_method_handler(
+            bidi, handler.request_deserializer, handler.response_serializer
+        )
+    raise TypeError("AgentService has no client-streaming methods")
 
 
 def _deny(handler: Handler, reason: str) -> Handler:
@@ -103,6 +121,10 @@ def _deny(handler: Handler, reason: str) -> Handler:
 
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(
             stream, handler.request_deserializer, handler.response_serializer
         )
     return grpc.unary_unary_rpc_method_handler(

@@ -27,6 +27,8 @@ class LiveLease:
     expires_mono: float
     probe_address: str = ""
     gpu_ids: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Usage last queued for the database, per GPU id: unchanged usage is not rewritten.
+    gpu_usage: dict[int, tuple[float, float]] = field(default_factory=dict)
     #: Loaded from the database after a restart: reaped if its agent does not register
     #: again in time, but not renewable (the agent must register to refresh its state).
     restored: bool = False
@@ -84,6 +86,12 @@ class LeaseTable:
     ) -> None:
         lease.expires_mono = now_mono + lease.ttl_s
         now = datetime.now(UTC)
+        changed = tuple(g for g in gpus if _changed(lease.gpu_usage, g))
+        pending = self._dirty.get(lease.agent_pk)
+        if pending is not None and pending.gpus:
+            # Not flushed yet: keep what it carried unless this heartbeat supersedes it.
+            newer = {g.gpu_id for g in changed}
+            changed = tuple(g for g in pending.gpus if g.gpu_id not in newer) + changed
         self._dirty[lease.agent_pk] = HeartbeatRecord(
             agent_pk=lease.agent_pk,
             lease_pk=lease.lease_pk,
@@ -92,7 +100,7 @@ class LeaseTable:
             at=now,
             expires_at=now + timedelta(seconds=lease.ttl_s),
             health=health,
-            gpus=gpus,
+            gpus=changed,
             # Keep the last measurements if this heartbeat carried none.
             links=links or self._pending_links(lease.agent_pk),
         )
@@ -112,3 +120,20 @@ class LeaseTable:
 
     def live(self) -> list[LiveLease]:
         return list(self._by_id.values())
+
+
+#: Utilisation moves by less than this (of 1.0), memory by less than 0.1 GiB: not news.
+UTILISATION_STEP = 0.01
+MEMORY_STEP_GB = 0.1
+
+
+def _changed(last: dict[int, tuple[float, float]], usage: GpuUsage) -> bool:
+    before = last.get(usage.gpu_id)
+    if (
+        before is not None
+        and abs(before[0] - usage.utilisation) < UTILISATION_STEP
+        and abs(before[1] - usage.memory_used_gb) < MEMORY_STEP_GB
+    ):
+        return False
+    last[usage.gpu_id] = (usage.utilisation, usage.memory_used_gb)
+    return True

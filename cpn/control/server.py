@@ -74,6 +74,7 @@ class ControlServer:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
+                ("grpc.http2.bdp_probe", 0),
                 # Agents keep WatchAssignments open for hours: ping to notice dead peers.
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.keepalive_permit_without_calls", 1),

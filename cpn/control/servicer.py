@@ -202,15 +202,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 site_settings=self.s.tokens.settings.get(reg.site),
             )
 
-    async def Heartbeat(
-        self, request: pb.HeartbeatRequest, context: Context
-    ) -> pb.HeartbeatResponse:
-        try:
-            _authorize(request.site)
-            health = validation.heartbeat_request(request)
-            lease = self._live_lease(request.site, request.agent_id, request.lease_id)
-        except (InvalidField, _Denied) as exc:
-            await _abort(context, exc)
+    def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """One heartbeat, unary or on a stream: check it, renew the lease in memory."""
+        _authorize(request.site)
+        health = validation.heartbeat_request(request)
+        lease = self._live_lease(request.site, request.agent_id, request.lease_id)
         gpu_ids = lease.gpu_ids
         gpus = tuple(
             GpuUsage(gpu_ids[(u.node, u.index)], u.utilisation, u.memory_used_gb)
@@ -239,6 +235,24 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             response.peers_changed = True
             response.peers.extend(self._peers(request.site))
         return response
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Context
+    ) -> pb.HeartbeatResponse:
+        try:
+            return self._beat(request)
+        except (InvalidField, _Denied) as exc:
+            await _abort(context, exc)
+
+    async def HeartbeatStream(
+        self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: Context
+    ) -> AsyncIterator[pb.HeartbeatResponse]:
+        async for request in request_iterator:
+            try:
+                response = self._beat(request)
+            except (InvalidField, _Denied) as exc:
+                await _abort(context, exc)
+            yield response
 
     async def WatchAssignments(
         self, request: pb.WatchAssignmentsRequest, context: Context

@@ -130,7 +130,12 @@ def register_agent(
         n.name: n
         for n in session.scalars(
             select(Node)
-            .where(Node.site_id == site.id)
+            # Only the nodes this registration can touch: the ones it names and the ones the
+            # agent had. Loading the whole site would make N registrations cost O(N²).
+            .where(
+                Node.site_id == site.id,
+                Node.name.in_([n.name for n in reg.nodes]) | (Node.agent_pk == agent.id),
+            )
             .options(
                 selectinload(Node.gpus).selectinload(Gpu.allocation),
                 selectinload(Node.rdma_nics),

@@ -44,6 +44,11 @@ class AgentServiceStub:
                 request_serializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/cpn.v1.AgentService/HeartbeatStream',
+                request_serializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.WatchAssignments = channel.unary_stream(
                 '/cpn.v1.AgentService/WatchAssignments',
                 request_serializer=proto_dot_cpn_dot_v1_dot_agent__pb2.WatchAssignmentsRequest.SerializeToString,
@@ -75,6 +80,16 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HeartbeatStream(self, request_iterator, context):
+        """The same heartbeats on one long-lived stream, one response per request, in order (as
+        etcd's LeaseKeepAlive does): a message on an open stream costs the server a fraction
+        of a unary call. A request that would fail as a unary Heartbeat ends the stream with
+        that status. Agents use this; Heartbeat stays for simple clients and tools.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchAssignments(self, request, context):
         """Orders for this agent, for as long as its lease lives.
         """
@@ -99,6 +114,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatRequest.FromString,
+                    response_serializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
                     request_deserializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatRequest.FromString,
                     response_serializer=proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -165,6 +185,33 @@ class AgentService:
             request,
             target,
             '/cpn.v1.AgentService/Heartbeat',
+            proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
+            proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cpn.v1.AgentService/HeartbeatStream',
             proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
             proto_dot_cpn_dot_v1_dot_agent__pb2.HeartbeatResponse.FromString,
             options,

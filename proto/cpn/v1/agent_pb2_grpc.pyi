@@ -50,6 +50,12 @@ class AgentServiceStub:
     """Renew the lease. NOT_FOUND means the control plane does not know the lease (it
     restarted, or the lease expired and the agent was declared lost): register again.
     """
+    HeartbeatStream: _grpc.StreamStreamMultiCallable[_agent_pb2.HeartbeatRequest, _agent_pb2.HeartbeatResponse]
+    """The same heartbeats on one long-lived stream, one response per request, in order (as
+    etcd's LeaseKeepAlive does): a message on an open stream costs the server a fraction
+    of a unary call. A request that would fail as a unary Heartbeat ends the stream with
+    that status. Agents use this; Heartbeat stays for simple clients and tools.
+    """
     WatchAssignments: _grpc.UnaryStreamMultiCallable[_agent_pb2.WatchAssignmentsRequest, _agent_pb2.Assignment]
     """Orders for this agent, for as long as its lease lives."""
     ReportTaskStatus: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ReportTaskStatusRequest, _agent_pb2.ReportTaskStatusResponse]
@@ -65,6 +71,12 @@ class AgentServiceAsyncStub(AgentServiceStub):
     Heartbeat: _aio.UnaryUnaryMultiCallable[_agent_pb2.HeartbeatRequest, _agent_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Renew the lease. NOT_FOUND means the control plane does not know the lease (it
     restarted, or the lease expired and the agent was declared lost): register again.
+    """
+    HeartbeatStream: _aio.StreamStreamMultiCallable[_agent_pb2.HeartbeatRequest, _agent_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    """The same heartbeats on one long-lived stream, one response per request, in order (as
+    etcd's LeaseKeepAlive does): a message on an open stream costs the server a fraction
+    of a unary call. A request that would fail as a unary Heartbeat ends the stream with
+    that status. Agents use this; Heartbeat stays for simple clients and tools.
     """
     WatchAssignments: _aio.UnaryStreamMultiCallable[_agent_pb2.WatchAssignmentsRequest, _agent_pb2.Assignment]  # type: ignore[assignment]
     """Orders for this agent, for as long as its lease lives."""
@@ -90,6 +102,18 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_agent_pb2.HeartbeatResponse, _abc.Awaitable[_agent_pb2.HeartbeatResponse]]:
         """Renew the lease. NOT_FOUND means the control plane does not know the lease (it
         restarted, or the lease expired and the agent was declared lost): register again.
+        """
+
+    @_abc_1.abstractmethod
+    def HeartbeatStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_agent_pb2.HeartbeatRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_pb2.HeartbeatResponse], _abc.AsyncIterator[_agent_pb2.HeartbeatResponse]]:
+        """The same heartbeats on one long-lived stream, one response per request, in order (as
+        etcd's LeaseKeepAlive does): a message on an open stream costs the server a fraction
+        of a unary call. A request that would fail as a unary Heartbeat ends the stream with
+        that status. Agents use this; Heartbeat stays for simple clients and tools.
         """
 
     @_abc_1.abstractmethod
