@@ -29,7 +29,7 @@ from agents.config import AgentConfig
 from agents.convert import node_message
 from agents.discovery import GpuDiscovery, discover_gpus, discover_rdma
 from agents.discovery.gpus import sample_usage
-from agents.events import HeartbeatEvent, ProbeEvent, run_events
+from agents.events import HealthEvent, HeartbeatEvent, ProbeEvent, run_events
 from agents.probe import ProbeResult, ProbeServer
 from agents.workers import TaskUpdate, WorkerManager
 from proto.cpn.v1 import agent_pb2 as pb
@@ -107,6 +107,8 @@ class Agent:
         self.probe = ProbeServer(config.probe_host, config.probe_port)
         self.probe_address = ""
         self._links: dict[str, ProbeResult] = {}
+        self.health: pb.Health.ValueType = pb.HEALTH_OK
+        self._active_ports: set[tuple[str, int]] = set()
         self._reports: dict[tuple[str, int], TaskUpdate] = {}
         self._reports_changed = asyncio.Event()
         self._stub: agent_pb2_grpc.AgentServiceAsyncStub | None = None
@@ -125,6 +127,7 @@ class Agent:
     def discover(self) -> pb.Inventory:
         self.gpus = discover_gpus(self.config.virtual)
         nics = discover_rdma(self.config.sysfs_root)
+        self._active_ports = {(n.device, n.port) for n in nics if n.state == "active"}
         self.workers.real_gpus = self.gpus.source != "virtual"
         log.info(
             "discovered %d GPUs (%s) and %d RDMA ports on node %s",
@@ -137,6 +140,28 @@ class Agent:
             self.config.node_name, self.gpus.gpus, nics, self.config.intra_node_gbps
         )
         return pb.Inventory(nodes=[node])
+
+    @property
+    def health_name(self) -> str:
+        return pb.Health.Name(self.health).removeprefix("HEALTH_").lower()
+
+    def check_health(self) -> tuple[pb.Health.ValueType, str]:
+        """(health, why) from a fresh look at the hardware found at start."""
+        if self.gpus.source not in ("virtual", "none"):
+            found = discover_gpus(self.config.virtual)
+            if found.source != self.gpus.source or len(found.gpus) < len(self.gpus.gpus):
+                return pb.HEALTH_FAILING, (
+                    f"{len(found.gpus)} GPUs visible ({found.source}), "
+                    f"{len(self.gpus.gpus)} at start ({self.gpus.source})"
+                )
+        active = {
+            (n.device, n.port) for n in discover_rdma(self.config.sysfs_root) if n.state == "active"
+        }
+        lost = sorted(self._active_ports - active)
+        if lost:
+            ports = ", ".join(f"{device} port {port}" for device, port in lost)
+            return pb.HEALTH_DEGRADED, f"RDMA {ports} no longer active"
+        return pb.HEALTH_OK, ""
 
     # ------------------------------------------------------------------ main loop
 
@@ -235,7 +260,7 @@ class Agent:
 
     async def _session(self) -> None:
         tasks = [
-            asyncio.create_task(run_events(self, [HeartbeatEvent(), ProbeEvent()])),
+            asyncio.create_task(run_events(self, [HeartbeatEvent(), ProbeEvent(), HealthEvent()])),
             asyncio.create_task(self._watch()),
             asyncio.create_task(self._send_reports()),
         ]
@@ -275,7 +300,7 @@ class Agent:
             site=self.config.site,
             agent_id=self.config.agent_id,
             lease_id=self.lease_id,
-            health=pb.HEALTH_OK,
+            health=self.health,
             gpus=usage,
             links=links,
             peers_version=self.peers_version,

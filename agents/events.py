@@ -67,6 +67,32 @@ class ProbeEvent(PeriodicEvent):
             log.debug("probe %s: %.2f ms, %.2f Gb/s", site, result.rtt_ms, result.bandwidth_gbps)
 
 
+class HealthEvent(PeriodicEvent):
+    """Look again at the hardware: DEGRADED when an RDMA port that was active at start is
+    no longer, FAILING when GPUs have disappeared (a fallen-off-the-bus GPU, a driver
+    reset). Cheap: sysfs reads, and a GPU query only where a real GPU source exists."""
+
+    def __init__(self, interval_s: float = 15.0) -> None:
+        self._interval_s = interval_s
+
+    def interval_s(self, agent: Agent) -> float:
+        return self._interval_s
+
+    async def run(self, agent: Agent) -> None:
+        health, reason = await asyncio.to_thread(agent.check_health)
+        if health != agent.health:
+            log.warning(
+                "health %s -> %s%s",
+                agent.health_name,
+                _NAMES[health],
+                f": {reason}" if reason else "",
+            )
+            agent.health = health
+
+
+_NAMES = {1: "ok", 2: "degraded", 3: "failing"}
+
+
 async def run_events(agent: Agent, events: list[PeriodicEvent]) -> None:
     """Run every event in its own loop until a fatal one fails (its error propagates)."""
 
