@@ -1,18 +1,39 @@
-"""Hot lease state, in memory: renewing a lease is a dictionary update, not a database write.
+"""Hot lease state, in memory: renewing a lease is a few attribute writes, not a database
+write.
 
 The control server's event loop owns this table (no locks: only that thread touches it).
 Expiry is decided here, against the monotonic clock, on every renewal and by the reaper;
-the database gets the renewals later, in batches (see cpn.registry.leases). A lease that
-expired is never renewed: the heartbeat is refused and the reaper declares the agent lost.
+the database gets the renewals later, in batches (`take_dirty`, written by
+cpn.registry.leases.apply_heartbeats). A lease that expired is never renewed: the heartbeat
+is refused and the reaper declares the agent lost.
+
+A heartbeat's GPU usage is compared with what was last queued for each GPU and only the
+changes are written: at thousands of heartbeats a second, rewriting eight unchanged rows
+per heartbeat would cost more than everything else together.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Protocol
 
 from cpn.registry.leases import GpuUsage, HeartbeatRecord, LinkSample
+
+#: Utilisation moves by less than this (of 1.0), memory by less than 0.1 GiB: not news.
+UTILISATION_STEP = 0.01
+MEMORY_STEP_GB = 0.1
+
+
+class UsageReport(Protocol):
+    """What a heartbeat says about one GPU (the protocol's GpuUsage message)."""
+
+    node: str
+    index: int
+    utilisation: float
+    memory_used_gb: float
 
 
 @dataclass
@@ -27,11 +48,16 @@ class LiveLease:
     expires_mono: float
     probe_address: str = ""
     gpu_ids: dict[tuple[str, int], int] = field(default_factory=dict)
-    #: Usage last queued for the database, per GPU id: unchanged usage is not rewritten.
-    gpu_usage: dict[int, tuple[float, float]] = field(default_factory=dict)
     #: Loaded from the database after a restart: reaped if its agent does not register
     #: again in time, but not renewable (the agent must register to refresh its state).
     restored: bool = False
+    # Since the last flush: when it was renewed (wall clock), its health, what changed.
+    renewed_at: float = 0.0
+    health: str = "ok"
+    pending_gpus: dict[int, tuple[float, float]] = field(default_factory=dict)
+    pending_links: dict[str, LinkSample] = field(default_factory=dict)
+    #: Usage last queued for the database, per GPU id.
+    last_usage: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -45,7 +71,7 @@ class LeaseTable:
     def __init__(self) -> None:
         self._by_id: dict[str, LiveLease] = {}
         self._by_agent: dict[tuple[str, str], LiveLease] = {}
-        self._dirty: dict[int, HeartbeatRecord] = {}
+        self._dirty: dict[int, LiveLease] = {}
         #: Bumped whenever the set of live agents (and so everyone's peer list) changes.
         self.peers_version = 1
 
@@ -81,38 +107,53 @@ class LeaseTable:
         lease: LiveLease,
         now_mono: float,
         health: str,
-        gpus: tuple[GpuUsage, ...],
-        links: tuple[LinkSample, ...],
+        gpus: Iterable[UsageReport] = (),
+        links: Iterable[LinkSample] = (),
     ) -> None:
         lease.expires_mono = now_mono + lease.ttl_s
-        now = datetime.now(UTC)
-        changed = tuple(g for g in gpus if _changed(lease.gpu_usage, g))
-        pending = self._dirty.get(lease.agent_pk)
-        if pending is not None and pending.gpus:
-            # Not flushed yet: keep what it carried unless this heartbeat supersedes it.
-            newer = {g.gpu_id for g in changed}
-            changed = tuple(g for g in pending.gpus if g.gpu_id not in newer) + changed
-        self._dirty[lease.agent_pk] = HeartbeatRecord(
-            agent_pk=lease.agent_pk,
-            lease_pk=lease.lease_pk,
-            site_id=lease.site_id,
-            agent_id=lease.agent_id,
-            at=now,
-            expires_at=now + timedelta(seconds=lease.ttl_s),
-            health=health,
-            gpus=changed,
-            # Keep the last measurements if this heartbeat carried none.
-            links=links or self._pending_links(lease.agent_pk),
-        )
-
-    def _pending_links(self, agent_pk: int) -> tuple[LinkSample, ...]:
-        prev = self._dirty.get(agent_pk)
-        return prev.links if prev is not None else ()
+        lease.renewed_at = time.time()
+        lease.health = health
+        ids, last, pending = lease.gpu_ids, lease.last_usage, lease.pending_gpus
+        for usage in gpus:
+            gpu_id = ids.get((usage.node, usage.index))
+            if gpu_id is None:
+                continue  # a GPU this agent did not register: nothing to update
+            now = (usage.utilisation, usage.memory_used_gb)
+            before = last.get(gpu_id)
+            if (
+                before is None
+                or abs(before[0] - now[0]) >= UTILISATION_STEP
+                or abs(before[1] - now[1]) >= MEMORY_STEP_GB
+            ):
+                last[gpu_id] = pending[gpu_id] = now
+        for link in links:
+            lease.pending_links[link.peer_site] = link
+        self._dirty[lease.agent_pk] = lease
 
     def take_dirty(self) -> list[HeartbeatRecord]:
-        batch = list(self._dirty.values())
+        """The renewals since the last call, as rows for the database."""
+        records = []
+        for lease in self._dirty.values():
+            at = datetime.fromtimestamp(lease.renewed_at, UTC)
+            records.append(
+                HeartbeatRecord(
+                    agent_pk=lease.agent_pk,
+                    lease_pk=lease.lease_pk,
+                    site_id=lease.site_id,
+                    agent_id=lease.agent_id,
+                    at=at,
+                    # Computed from the renewal's own time: never later than the
+                    # in-memory expiry, so the database cannot outlive the truth.
+                    expires_at=at + timedelta(seconds=lease.ttl_s),
+                    health=lease.health,
+                    gpus=tuple(GpuUsage(g, u, m) for g, (u, m) in lease.pending_gpus.items()),
+                    links=tuple(lease.pending_links.values()),
+                )
+            )
+            lease.pending_gpus = {}
+            lease.pending_links = {}
         self._dirty = {}
-        return batch
+        return records
 
     def expired(self, now_mono: float | None = None) -> list[LiveLease]:
         now_mono = time.monotonic() if now_mono is None else now_mono
@@ -120,20 +161,3 @@ class LeaseTable:
 
     def live(self) -> list[LiveLease]:
         return list(self._by_id.values())
-
-
-#: Utilisation moves by less than this (of 1.0), memory by less than 0.1 GiB: not news.
-UTILISATION_STEP = 0.01
-MEMORY_STEP_GB = 0.1
-
-
-def _changed(last: dict[int, tuple[float, float]], usage: GpuUsage) -> bool:
-    before = last.get(usage.gpu_id)
-    if (
-        before is not None
-        and abs(before[0] - usage.utilisation) < UTILISATION_STEP
-        and abs(before[1] - usage.memory_used_gb) < MEMORY_STEP_GB
-    ):
-        return False
-    last[usage.gpu_id] = (usage.utilisation, usage.memory_used_gb)
-    return True

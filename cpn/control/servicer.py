@@ -33,7 +33,7 @@ from cpn.control.tokens import SiteTokens
 from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
 from cpn.registry.inventory import AgentRegistration, NodeOwnedError, Registered, register_agent
-from cpn.registry.leases import GpuUsage, LinkSample
+from cpn.registry.leases import LinkSample
 from cpn.registry.models import Task, TaskState, utcnow
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
@@ -207,13 +207,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         _authorize(request.site)
         health = validation.heartbeat_request(request)
         lease = self._live_lease(request.site, request.agent_id, request.lease_id)
-        gpu_ids = lease.gpu_ids
-        gpus = tuple(
-            GpuUsage(gpu_ids[(u.node, u.index)], u.utilisation, u.memory_used_gb)
-            for u in request.gpus
-            if (u.node, u.index) in gpu_ids
-        )
-        links = tuple(
+        links = [
             LinkSample(
                 link.peer_site,
                 link.bandwidth_gbps,
@@ -223,8 +217,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 else utcnow(),
             )
             for link in request.links
-        )
-        self.s.leases.renew(lease, time.monotonic(), health, gpus, links)
+        ]
+        self.s.leases.renew(lease, time.monotonic(), health, request.gpus, links)
         version = self.s.leases.peers_version
         response = pb.HeartbeatResponse(
             lease_ttl_ms=int(lease.ttl_s * 1000),

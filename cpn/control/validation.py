@@ -176,8 +176,11 @@ def heartbeat_request(req: pb.HeartbeatRequest) -> str:
     lease(req.site, req.agent_id, req.lease_id)
     health = convert.health(req.health, "health")
     for i, usage in enumerate(req.gpus):
-        _number(usage.utilisation, f"gpus[{i}].utilisation", upper=1.0)
-        _number(usage.memory_used_gb, f"gpus[{i}].memory_used_gb", upper=1e5)
+        # Fast path first (NaN fails every comparison): this runs for every GPU of every
+        # heartbeat; the precise message is worked out only for a bad value.
+        if not (0.0 <= usage.utilisation <= 1.0 and 0.0 <= usage.memory_used_gb <= 1e5):
+            _number(usage.utilisation, f"gpus[{i}].utilisation", upper=1.0)
+            _number(usage.memory_used_gb, f"gpus[{i}].memory_used_gb", upper=1e5)
     for i, link in enumerate(req.links):
         _name(link.peer_site, f"links[{i}].peer_site")
         if link.peer_site == req.site:
