@@ -100,6 +100,7 @@ class Agent:
         self.lease_id: str | None = None
         self.heartbeat_interval_s = 3.0
         self.peers: list[pb.Peer] = []
+        self.peers_changed = asyncio.Event()  # set when the control plane sends new peers
         self.peers_version = 0
         self.registrations = 0
         self.gpus = GpuDiscovery([], "none")
@@ -247,6 +248,7 @@ class Agent:
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
         self.peers = list(response.peers)
         self.peers_version = response.peers_version
+        self.peers_changed.set()
         self.registrations += 1
         log.info(
             "registered as %s/%s: lease %s, TTL %.1f s, heartbeat every %.1f s, %d peers",
@@ -323,6 +325,7 @@ class Agent:
         if response.peers_changed:
             self.peers = list(response.peers)
             self.peers_version = response.peers_version
+            self.peers_changed.set()
 
     async def _usage(self) -> list[pb.GpuUsage]:
         node = self.config.node_name

@@ -7,7 +7,9 @@ log and carry on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
@@ -23,12 +25,18 @@ log = logging.getLogger("cpn.agent")
 class PeriodicEvent(ABC):
     #: Failing ends the session (reconnect); otherwise the error is logged and retried.
     fatal = False
+    #: With a wakeup event: however often it fires, runs are at least this far apart.
+    min_gap_s = 1.0
 
     @abstractmethod
     def interval_s(self, agent: Agent) -> float: ...
 
     @abstractmethod
     async def run(self, agent: Agent) -> None: ...
+
+    def wakeup(self, agent: Agent) -> asyncio.Event | None:
+        """An event that, when set, runs this one before its interval is up."""
+        return None
 
 
 class HeartbeatEvent(PeriodicEvent):
@@ -45,17 +53,31 @@ class HeartbeatEvent(PeriodicEvent):
 
 
 class ProbeEvent(PeriodicEvent):
-    """Measure RTT and throughput to one agent of every peer site, one peer at a time."""
+    """Measure RTT and throughput to one agent of every peer site, one peer at a time.
+
+    Each site is probed at most once per interval; a site that appears in the peer list
+    (the control plane announced a new agent) is probed right away."""
+
+    def __init__(self) -> None:
+        self._probed: dict[str, float] = {}  # site → monotonic time of the last probe
 
     def interval_s(self, agent: Agent) -> float:
         return agent.config.probe_interval_s
+
+    def wakeup(self, agent: Agent) -> asyncio.Event | None:
+        return agent.peers_changed
 
     async def run(self, agent: Agent) -> None:
         by_site: dict[str, str] = {}
         for peer in sorted(agent.peers, key=lambda p: (p.site, p.agent_id)):
             if peer.site != agent.config.site and peer.probe_address:
                 by_site.setdefault(peer.site, peer.probe_address)
+        now = time.monotonic()
+        interval = self.interval_s(agent)
         for site, address in by_site.items():
+            if now - self._probed.get(site, -math.inf) < interval * 0.9:
+                continue  # measured recently: a peer-list change is no reason to redo it
+            self._probed[site] = now
             try:
                 result: ProbeResult = await measure(
                     address, transfer_bytes=agent.config.probe_bytes
@@ -110,7 +132,16 @@ async def run_events(agent: Agent, events: list[PeriodicEvent]) -> None:
                     "%s failed; next try in %.1f s", type(event).__name__, event.interval_s(agent)
                 )
             elapsed = time.monotonic() - started
-            await asyncio.sleep(max(0.0, event.interval_s(agent) - elapsed))
+            remaining = max(0.0, event.interval_s(agent) - elapsed)
+            wake = event.wakeup(agent)
+            if wake is None:
+                await asyncio.sleep(remaining)
+                continue
+            await asyncio.sleep(min(remaining, event.min_gap_s))
+            if not wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), max(0.0, remaining - event.min_gap_s))
+            wake.clear()
 
     tasks = [asyncio.create_task(loop(e), name=type(e).__name__) for e in events]
     try:

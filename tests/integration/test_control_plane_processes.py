@@ -28,8 +28,10 @@ def procs() -> Iterator[list[Proc]]:
 
 
 def _agent_extra(site: str) -> list[str]:
+    # A long probe interval on purpose: agents must probe a new peer site when they learn
+    # of it, not wait for the next round.
     extra = ["--virtual-gpus", "4", "--gpu-model", "A100-80G", "--gpu-memory-gb", "80",
-             "--probe-interval", "1", "--probe-bytes", "262144"]  # fmt: skip
+             "--probe-interval", "60", "--probe-bytes", "262144"]  # fmt: skip
     if site == "a":
         extra += ["--sysfs-root", str(FIXTURES / "sysfs-infiniband")]
     return extra
