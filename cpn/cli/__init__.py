@@ -39,7 +39,8 @@ def _root(
 
 
 def _register() -> None:
-    from cpn.cli import agent, db, plan, serve  # noqa: F401, PLC0415 (register their commands)
+    # Importing a command module registers its commands on `app`.
+    from cpn.cli import agent, db, plan, serve, worker  # noqa: F401, PLC0415
 
 
 def main() -> None:

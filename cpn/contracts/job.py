@@ -60,6 +60,8 @@ class TrainSpec(_Strict):
     micro_batch: int = Field(ge=1, description="sequences per micro-batch on one replica")
     dtype: Dtype = Dtype.BF16
     steps: int = Field(ge=1)
+    lr: float = Field(default=3e-4, gt=0, le=1, description="peak learning rate (AdamW)")
+    seed: int = Field(default=0, ge=0, description="initialisation and data seed")
 
 
 class ParallelSpec(_Strict):

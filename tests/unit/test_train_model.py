@@ -1,0 +1,116 @@
+"""The runtime's model matches the cost model's description of it, shard by shard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpn.contracts import ParallelSpec
+from cpn.errors import InputError
+from cpn.gpt_shapes import stage_parameters
+from cpn.scheduler import SolverSettings, plan_job
+from cpn.train.comms import ByteCounters, Group
+from cpn.train.data import BatchSource, corpus
+from cpn.train.model import GPTConfig, GPTStage
+from cpn.train.parallelize import TensorParallel, parallelize
+from cpn.train.trainer import TrainOptions, check_launch, learning_rate
+from tests.factories import job, site, topology
+
+CFG = GPTConfig(layers=4, hidden=64, heads=4, seq_len=16, vocab=101)
+
+
+def shard(stage: int, pp: int, tp: int, rank: int) -> GPTStage:
+    module = GPTStage(CFG, stage, pp, seed=3)
+    group = Group(None, tuple(range(tp)), rank)  # construction needs no communication
+    return parallelize(module, TensorParallel(group, ByteCounters(), torch.float32))
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(1, 1), (2, 1), (2, 2), (4, 4), (1, 2)])
+def test_parameters_match_the_cost_models_shapes(pp: int, tp: int) -> None:
+    spec = job(layers=4, hidden=64, heads=4, seq_len=16, vocab=101).model
+    for stage in range(pp):
+        for rank in range(tp):
+            got = [(n, tuple(p.shape)) for n, p in shard(stage, pp, tp, rank).named_parameters()]
+            want = [(p.name, p.shape) for p in stage_parameters(spec, pp, tp, stage)]
+            assert got == want
+
+
+def test_shards_are_slices_of_the_single_process_weights() -> None:
+    whole = dict(GPTStage(CFG, 0, 1, seed=3).named_parameters())
+    parts = [dict(shard(0, 1, 2, r).named_parameters()) for r in range(2)]
+    h = CFG.hidden
+    # qkv: each worker holds its half of the heads of q, of k and of v.
+    for i, name in enumerate("qkv"):
+        rows = whole["blocks.0.attn.qkv.weight"][i * h : (i + 1) * h]
+        got = torch.cat(
+            [p["blocks.0.attn.qkv.weight"][i * h // 2 : (i + 1) * h // 2] for p in parts]
+        )
+        assert torch.equal(got, rows), name
+    assert torch.equal(
+        torch.cat([p["blocks.0.mlp.proj.weight"] for p in parts], dim=1),
+        whole["blocks.0.mlp.proj.weight"],
+    )
+    # vocabulary 101 padded to 102; the padding row is zero
+    table = torch.cat([p["wte.weight"] for p in parts])
+    assert table.shape[0] == 102
+    assert torch.equal(table[:101], whole["wte.weight"]) and not table[101].any()
+    assert torch.equal(parts[0]["blocks.0.ln_1.weight"], parts[1]["blocks.0.ln_1.weight"])
+
+
+def test_initialisation_depends_only_on_seed_and_name() -> None:
+    full = dict(GPTStage(CFG, 0, 1, seed=5).named_parameters())
+    second = dict(GPTStage(CFG, 1, 2, seed=5).named_parameters())
+    for name, p in second.items():
+        assert torch.equal(p, full[name])
+    other = dict(GPTStage(CFG, 1, 2, seed=6).named_parameters())
+    assert not torch.equal(other["blocks.3.mlp.fc.weight"], full["blocks.3.mlp.fc.weight"])
+
+
+def test_corpus_and_batches_are_deterministic_and_partition_the_global_batch() -> None:
+    assert corpus(0)[:1000].tobytes() == corpus(0)[:1000].tobytes()
+    text = corpus(0)[:2000].tobytes().decode()
+    assert text.count(" ") > 200 and any(p in text for p in ".!?")
+    one = BatchSource(16, 256, global_batch=8, micro_batch=2, dp=1)
+    two = BatchSource(16, 256, global_batch=8, micro_batch=2, dp=2)
+    whole = torch.cat([x for x, _ in one.for_replica(3, 0)])
+    split = torch.cat([x for r in range(2) for x, _ in two.for_replica(3, r)])
+    assert torch.equal(whole, split)
+    x, y = one.for_replica(3, 0)[0]
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert int(BatchSource(16, 100, 8, 2, 1).windows(0).max()) < 100
+
+
+def test_learning_rate_warms_up_then_decays() -> None:
+    lrs = [learning_rate(1e-3, s, 100) for s in range(100)]
+    assert lrs[0] < lrs[4] == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.05) and lrs[50] < lrs[10]
+
+
+def tiny_plan(dp: int, tp: int, pp: int):
+    topo = topology([site("a", nodes=2, gpus=4)], [])
+    spec = job(dp, tp, pp, layers=4, hidden=64, heads=4, seq_len=16, vocab=256)
+    return plan_job(topo, spec, settings=SolverSettings(time_limit=2)), spec
+
+
+def test_bad_launches_fail_before_any_process_group(tmp_path: Path) -> None:
+    plan, spec = tiny_plan(2, 1, 2)
+    opts = TrainOptions()
+    with pytest.raises(InputError, match="WORLD_SIZE: 3, but the plan has dp×tp×pp = 4"):
+        check_launch(plan, spec, 3, 0, opts)
+    with pytest.raises(InputError, match=r"--rank: 4 is not in 0..3"):
+        check_launch(plan, spec, 4, 4, opts)
+    bad = plan.model_copy(update={"parallel": ParallelSpec(dp=1, tp=3, pp=1)})
+    auto = spec.model_copy(update={"parallel": "auto", "gpus": 3})
+    with pytest.raises(InputError, match=r"parallel.tp: 3 does not divide model.heads \(4\)"):
+        check_launch(bad, auto, 3, 0, opts)
+    with pytest.raises(InputError, match="layout dp=2 tp=1 pp=2 differs"):
+        check_launch(plan, job(4, 1, 1, layers=4, hidden=64, heads=4, seq_len=16), 4, 0, opts)
+    with pytest.raises(InputError, match="no complete checkpoint"):
+        check_launch(plan, spec, 4, 0, TrainOptions(resume=True, checkpoint_dir=tmp_path))
+    renamed = plan.model_copy(update={"job": "other"})
+    with pytest.raises(InputError, match="it is for job 'other'"):
+        check_launch(renamed, spec, 4, 0, opts)
+    json.loads(plan.model_dump_json())  # the plan a launcher writes is plain JSON
