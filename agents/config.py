@@ -8,7 +8,10 @@ from pathlib import Path
 from agents.discovery.gpus import VirtualGpus
 from agents.discovery.rdma import DEFAULT_SYSFS_ROOT
 
-DEFAULT_WORKER_COMMAND = "{python} -m cpn worker --plan {plan} --job {job} --rank {rank}"
+#: The runtime's worker (cpn/train), reporting its steps through `--metrics`.
+DEFAULT_WORKER_COMMAND = (
+    "{python} -m cpn worker --plan {plan} --job {job} --rank {rank} --metrics {metrics}"
+)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,23 @@
 """Running the workers of a launch order, and ending them on a stop order.
 
 For each rank the order places on this agent's nodes, the agent starts the configured
-worker command (placeholders `{python}`, `{plan}`, `{job}`, `{rank}`, `{job_id}`) with
-the torch.distributed environment: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK and
-LOCAL_RANK, plus CPN_JOB_ID, CPN_SITE, CPN_NODE, CPN_GPU, CPN_STATUS_FILE (see
-agents/status.py), CUDA_VISIBLE_DEVICES for real GPUs, and the order's extra `env`.
+worker command (placeholders `{python}`, `{plan}`, `{job}`, `{rank}`, `{job_id}`,
+`{metrics}`, `{status}`) with the torch.distributed environment: MASTER_ADDR, MASTER_PORT,
+WORLD_SIZE, RANK and LOCAL_RANK, plus CPN_JOB_ID, CPN_SITE, CPN_NODE, CPN_GPU,
+CPN_STATUS_FILE, CUDA_VISIBLE_DEVICES for real GPUs, and the order's extra `env`.
 Output goes to `<work dir>/<job id>/rank-<R>.log`.
 
-Status goes out through `report` as `TaskUpdate`s: STARTING, RUNNING, then every change
-the worker writes to its status file, then SUCCEEDED / FAILED (exit code) or STOPPED.
+A worker tells the agent how it is doing through either of two JSON-lines files, both
+tailed:
+
+- `$CPN_STATUS_FILE` (`{status}`): the agent's own format (agents/status.py): `step`,
+  `loss`, `bytes` sent so far by link class, `checkpoint_id`, `message`;
+- `{metrics}`: what `cpn worker --metrics` writes, one record per training step
+  (`step` counted from 0, `loss`, and the `bytes` *that step* sent, by link class), which
+  the agent turns into steps done and bytes so far.
+
+Status goes out through `report` as `TaskUpdate`s: STARTING, RUNNING, then every change,
+then SUCCEEDED / FAILED (exit code) or STOPPED.
 """
 
 from __future__ import annotations
@@ -49,15 +58,44 @@ class TaskUpdate:
 
 
 @dataclass
+class _Tail:
+    """New complete JSON-object lines of a file that another process appends to."""
+
+    path: Path
+    offset: int = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []  # a line still being written
+        self.offset += end + 1
+        out = []
+        for line in data[: end + 1].splitlines():
+            try:
+                fields = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(fields, dict):
+                out.append(fields)
+        return out
+
+
+@dataclass
 class _Worker:
     rank: int
     node: str
     gpu: int
     process: asyncio.subprocess.Process
-    status_file: Path
+    status: _Tail
+    metrics: _Tail
     last: TaskUpdate
     stopping: bool = False
-    offset: int = 0
     monitor: asyncio.Task[None] | None = None
 
 
@@ -120,7 +158,9 @@ class WorkerManager:
         job_path: Path,
     ) -> _Worker | None:
         status_file = job_dir / f"rank-{r.rank}.status.jsonl"
+        metrics_file = job_dir / f"rank-{r.rank}.metrics.jsonl"
         status_file.write_text("")
+        metrics_file.write_text("")
         argv = shlex.split(
             self.command.format(
                 python=shlex.quote(sys.executable),
@@ -128,6 +168,8 @@ class WorkerManager:
                 job=shlex.quote(str(job_path)),
                 rank=r.rank,
                 job_id=order.job_id,
+                metrics=shlex.quote(str(metrics_file)),
+                status=shlex.quote(str(status_file)),
             )
         )
         env = dict(os.environ)
@@ -174,7 +216,8 @@ class WorkerManager:
             node=r.node,
             gpu=r.gpu,
             process=process,
-            status_file=status_file,
+            status=_Tail(status_file),
+            metrics=_Tail(metrics_file),
             last=running,
         )
         worker.monitor = asyncio.create_task(self._monitor(worker), name=f"worker-{r.rank}")
@@ -182,24 +225,11 @@ class WorkerManager:
         return worker
 
     def _read_status(self, worker: _Worker) -> TaskUpdate | None:
-        try:
-            with worker.status_file.open("rb") as fh:
-                fh.seek(worker.offset)
-                data = fh.read()
-        except OSError:
-            return None
-        end = data.rfind(b"\n")
-        if end < 0:
-            return None
-        worker.offset += end + 1
         update = worker.last
-        for line in data[: end + 1].splitlines():
-            try:
-                fields: dict[str, Any] = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(fields, dict):
-                update = _merge(update, fields)
+        for record in worker.metrics.read():
+            update = _merge_metrics(update, record)
+        for fields in worker.status.read():
+            update = _merge(update, fields)
         return update if update != worker.last else None
 
     async def _monitor(self, worker: _Worker) -> None:
@@ -272,4 +302,21 @@ def _merge(update: TaskUpdate, fields: dict[str, Any]) -> TaskUpdate:
         changes["checkpoint_id"] = fields["checkpoint_id"][:256]
     if isinstance(fields.get("message"), str):
         changes["message"] = fields["message"][:4096]
+    return replace(update, **changes)
+
+
+def _merge_metrics(update: TaskUpdate, record: dict[str, Any]) -> TaskUpdate:
+    """One `cpn worker --metrics` record: step `n` done means n + 1 steps; bytes are that
+    step's, added to the running totals."""
+    changes: dict[str, Any] = {}
+    if isinstance(record.get("step"), int):
+        changes["step"] = max(update.step, record["step"] + 1)
+    if isinstance(record.get("loss"), int | float):
+        changes["loss"] = float(record["loss"])
+    sent = record.get("bytes")
+    if isinstance(sent, dict):
+        for key in ("intra_node", "intra_site", "wan"):
+            if isinstance(sent.get(key), int):
+                field_name = f"bytes_{key}"
+                changes[field_name] = getattr(update, field_name) + max(0, sent[key])
     return replace(update, **changes)

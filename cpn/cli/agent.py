@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from agents.config import DEFAULT_WORKER_COMMAND
 from cpn.cli import app
 from cpn.errors import CpnError, InputError
 
@@ -103,9 +104,11 @@ def agent(
         str,
         typer.Option(
             "--worker-command",
-            help="Command per rank; placeholders {python} {plan} {job} {rank} {job_id}.",
+            help="Command per rank; placeholders {python} {plan} {job} {rank} {job_id} "
+            "{metrics} (per-step JSON lines, as cpn worker --metrics writes them) {status} "
+            "(the agents.status file, also in $CPN_STATUS_FILE).",
         ),
-    ] = "{python} -m cpn worker --plan {plan} --job {job} --rank {rank}",
+    ] = DEFAULT_WORKER_COMMAND,
     work_dir: Annotated[
         Path, typer.Option("--work-dir", help="Where job files and worker logs go.")
     ] = Path("cpn-agent-work"),
@@ -131,7 +134,7 @@ def agent(
     if not _NAME.match(node):
         raise InputError(f"--node-name: {node!r}: use letters, digits and _ . -")
     for placeholder in re.findall(r"{([^}]*)}", worker_command):
-        if placeholder not in {"python", "plan", "job", "rank", "job_id"}:
+        if placeholder not in {"python", "plan", "job", "rank", "job_id", "metrics", "status"}:
             raise InputError(f"--worker-command: unknown placeholder {{{placeholder}}}")
     config = AgentConfig(
         site=site,
