@@ -17,7 +17,7 @@ import asyncio
 import threading
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from cpn.contracts import Plan
@@ -37,6 +37,8 @@ class AssignmentDispatcher:
         self._boxes: dict[tuple[str, str], _Mailbox] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
+        #: Called on the loop for every order queued (the server records an event).
+        self.on_queued: Callable[[str, str, pb.Assignment], None] | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -105,6 +107,8 @@ class AssignmentDispatcher:
         box = self._box(key)
         box.pending.append(assignment)
         box.changed.set()
+        if self.on_queued is not None:
+            self.on_queued(key[0], key[1], assignment)
 
     def pending(self, site: str, agent_id: str) -> Sequence[pb.Assignment]:
         box = self._boxes.get((site, agent_id))

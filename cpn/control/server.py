@@ -27,6 +27,7 @@ from cpn.control.settings import ControlSettings
 from cpn.control.tokens import SiteTokens
 from cpn.errors import CpnError
 from cpn.registry import Registry
+from cpn.registry.events import EventKind, record_event
 from cpn.registry.leases import (
     HeartbeatRecord,
     StoredLease,
@@ -66,6 +67,7 @@ class ControlServer:
         """Restore leases, bind and serve. Returns the bound gRPC port."""
         settings = self.state.settings
         self.dispatcher.bind(asyncio.get_running_loop())
+        self.dispatcher.on_queued = self._record_order
         await self._restore_leases()
         limit = settings.max_message_bytes
         server = aio.server(
@@ -118,6 +120,27 @@ class ControlServer:
 
     # ------------------------------------------------------------------ background work
 
+    def _record_order(self, site: str, agent_id: str, assignment: agent_pb2.Assignment) -> None:
+        """An `order_queued` event per order, written on the database thread."""
+        kind = assignment.WhichOneof("order") or "unknown"
+        job_id = assignment.launch.job_id if kind == "launch" else assignment.stop.job_id
+        message = f"{kind} order {assignment.order_id} for job {job_id} queued for {agent_id}"
+
+        def write() -> None:
+            with self.state.registry.write() as session:
+                record_event(
+                    session,
+                    EventKind.ORDER_QUEUED,
+                    message,
+                    site=site,
+                    agent_id=agent_id,
+                    job_id=job_id,
+                    data={"order_id": assignment.order_id, "kind": kind},
+                )
+
+        task = asyncio.ensure_future(self.state.run_db(write))
+        task.add_done_callback(_log_failure)
+
     async def _restore_leases(self) -> None:
         """After a restart: every agent the database calls alive gets one full TTL to
         register again (heartbeat grace, as Nomad gives after a leader change); the
@@ -162,7 +185,7 @@ class ControlServer:
         for lease in expired:
             self.leases.remove(lease)
             dropped = self.dispatcher.drop(lease.site, lease.agent_id)
-            gpus = await self.state.run_db(self._mark_lost, lease)
+            gpus = await self.state.run_db(self._mark_lost, lease, dropped)
             log.warning(
                 "agent %s/%s lost: lease expired (%d GPUs lost, %d orders dropped)",
                 lease.site,
@@ -172,9 +195,12 @@ class ControlServer:
             )
         return expired
 
-    def _mark_lost(self, lease: LiveLease) -> int:
+    def _mark_lost(self, lease: LiveLease, dropped_orders: int) -> int:
+        reason = "lease expired"
+        if dropped_orders:
+            reason += f"; {dropped_orders} queued orders dropped"
         with self.state.registry.write() as session:
-            return mark_lost(session, lease.agent_pk, lease.lease_id, utcnow(), "lease expired")
+            return mark_lost(session, lease.agent_pk, lease.lease_id, utcnow(), reason)
 
     async def _flusher(self) -> None:
         interval = self.state.settings.flush_interval_s
@@ -193,6 +219,11 @@ class ControlServer:
     def _write_batch(self, batch: list[HeartbeatRecord]) -> None:
         with self.state.registry.write() as session:
             apply_heartbeats(session, batch)
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("recording an order failed: %s", task.exception())
 
 
 __all__ = ["ControlServer", "PortInUse"]

@@ -9,6 +9,7 @@ flusher's writes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
 from grpc import aio
@@ -40,6 +41,7 @@ from proto.cpn.v1 import agent_pb2_grpc
 
 log = logging.getLogger("cpn.control")
 T = TypeVar("T")
+P = ParamSpec("P")
 if TYPE_CHECKING:
     Context = aio.ServicerContext[Any, Any]
 
@@ -77,9 +79,10 @@ class ControlState:
     )
     task_listeners: list[Callable[[TaskReport], None]] = field(default_factory=list)
 
-    async def run_db(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.db, fn, *args)
+            call = functools.partial(fn, *args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(self.db, call)
         except SQLAlchemyError as exc:
             # The database is down or overloaded: a transient condition agents retry.
             log.exception("registry write failed")

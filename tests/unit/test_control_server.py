@@ -390,6 +390,18 @@ def test_orders_queued_before_the_agent_watches_are_delivered_in_order(sqlite_ur
         ]
         assert Plan.model_validate_json(order.plan_json) == PLAN and dict(order.env) == {"X": "1"}
         assert (second.stop.job_id, second.stop.reason) == ("job-7", "cancelled")
+
+        def queued() -> list[str]:
+            with srv.registry.read() as s:
+                rows = s.scalars(
+                    select(Event).where(Event.kind == "order_queued", Event.job_id == "job-7")
+                )
+                return [e.data["order_id"] for e in rows]
+
+        assert wait_for(lambda: len(queued()) == 2 and queued(), what="order events") == [
+            launch_id,
+            stop_id,
+        ]
         # A second stream for the same agent takes over; the first one ends.
         newer = client.WatchAssignments(watch, metadata=auth("a"), timeout=30)
         got = []
