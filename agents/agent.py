@@ -55,7 +55,11 @@ CHANNEL_OPTIONS = [
 RPC_TIMEOUT_S = 30.0
 
 
-class AgentRefused(Exception):
+class AgentError(Exception):
+    """The agent cannot run; the message says why (the CLI prints it as one line)."""
+
+
+class AgentRefused(AgentError):
     """The control plane refused this agent for a reason retrying cannot fix."""
 
 
@@ -168,7 +172,11 @@ class Agent:
 
     async def run(self) -> None:
         self.inventory = await asyncio.to_thread(self.discover)
-        port = await self.probe.start()
+        try:
+            port = await self.probe.start()
+        except OSError as exc:
+            where = f"{self.config.probe_host}:{self.config.probe_port}"
+            raise AgentError(f"--probe-port: cannot listen on {where} ({exc.strerror})") from None
         host = self.config.advertise_host or route_address(self.config.control)
         self.probe_address = f"{host}:{port}"
         log.info("WAN probe endpoint on %s", self.probe_address)
@@ -357,8 +365,23 @@ class Agent:
         async for assignment in self.stub.WatchAssignments(request, metadata=self.metadata):
             which = assignment.WhichOneof("order")
             if which == "launch":
-                log.info("order %s: launch job %s", assignment.order_id, assignment.launch.job_id)
-                await self.workers.launch(assignment.launch)
+                order = assignment.launch
+                log.info("order %s: launch job %s", assignment.order_id, order.job_id)
+                try:
+                    await self.workers.launch(order)
+                except OSError as exc:  # the work directory cannot be written, say
+                    log.error("job %s: cannot launch: %s", order.job_id, exc)
+                    for r in order.ranks:
+                        if r.site == self.config.site and r.node == self.config.node_name:
+                            self.report(
+                                TaskUpdate(
+                                    job_id=order.job_id,
+                                    rank=r.rank,
+                                    state=pb.TASK_STATE_FAILED,
+                                    exit_code=-1,
+                                    message=f"cannot launch: {exc}",
+                                )
+                            )
             elif which == "stop":
                 log.info("order %s: stop job %s", assignment.order_id, assignment.stop.job_id)
                 task = asyncio.create_task(
@@ -421,4 +444,4 @@ async def run_agent(config: AgentConfig) -> None:
         log.info("agent stopped after %.0f s", time.monotonic() - started)
 
 
-__all__ = ["Agent", "AgentRefused", "Backoff", "run_agent"]
+__all__ = ["Agent", "AgentError", "AgentRefused", "Backoff", "run_agent"]

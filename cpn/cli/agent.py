@@ -120,7 +120,7 @@ def agent(
     slots) and RDMA NICs (sysfs), register with the control plane, heartbeat, measure the
     WAN to peer sites, and launch or stop workers as ordered. Reconnects by itself when
     the control plane goes away."""
-    from agents.agent import AgentRefused, run_agent  # noqa: PLC0415
+    from agents.agent import AgentError, run_agent  # noqa: PLC0415
     from agents.config import AgentConfig  # noqa: PLC0415
     from agents.discovery.gpus import VirtualGpus  # noqa: PLC0415
     from cpn.cli.serve import setup_logging  # noqa: PLC0415
@@ -167,5 +167,5 @@ def agent(
         asyncio.run(main())
     except asyncio.CancelledError:
         pass
-    except AgentRefused as exc:
+    except AgentError as exc:
         raise CpnError(str(exc)) from None

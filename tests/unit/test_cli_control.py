@@ -115,3 +115,15 @@ def test_help_describes_the_flags() -> None:
     agent = cpn("agent", "--help").stdout
     for flag in ("--site", "--control", "--token", "--virtual-gpus", "--gpu-model", "--sysfs-root"):
         assert flag in agent
+
+
+def test_agent_with_its_probe_port_taken(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = cpn(
+            "agent", "--site", "a", "--control", "127.0.0.1:1", "--token", "t", "--virtual-gpus",
+            "1", "--probe-host", "127.0.0.1", "--probe-port", port, "--work-dir", str(tmp_path),
+        )  # fmt: skip
+    _one_line_error(out, f"--probe-port: cannot listen on 127.0.0.1:{port}")
