@@ -118,6 +118,7 @@ class Agent:
         self._reports_changed = asyncio.Event()
         self._stub: agent_pb2_grpc.AgentServiceAsyncStub | None = None
         self._beats: Any = None  # the session's HeartbeatStream call, opened on first use
+        self._tls_roots: bytes | None = None
         self.workers = WorkerManager(
             site=config.site,
             nodes={config.node_name},
@@ -171,6 +172,13 @@ class Agent:
     # ------------------------------------------------------------------ main loop
 
     async def run(self) -> None:
+        if self.config.tls_ca is not None:
+            try:
+                self._tls_roots = self.config.tls_ca.read_bytes()
+            except OSError as exc:
+                raise AgentError(
+                    f"--tls-ca: {self.config.tls_ca}: cannot read ({exc.strerror})"
+                ) from None
         self.inventory = await asyncio.to_thread(self.discover)
         try:
             port = await self.probe.start()
@@ -183,7 +191,7 @@ class Agent:
         backoff = Backoff(max_s=self.config.max_backoff_s)
         try:
             while True:
-                channel = aio.insecure_channel(self.config.control, options=CHANNEL_OPTIONS)
+                channel = self._channel()
                 self._stub = agent_pb2_grpc.AgentServiceStub(channel)
                 try:
                     await self._connect()
@@ -225,6 +233,12 @@ class Agent:
         finally:
             await self.workers.stop_all()
             await self.probe.stop()
+
+    def _channel(self) -> aio.Channel:
+        if self._tls_roots is None:
+            return aio.insecure_channel(self.config.control, options=CHANNEL_OPTIONS)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_roots)
+        return aio.secure_channel(self.config.control, credentials, options=CHANNEL_OPTIONS)
 
     @property
     def stub(self) -> agent_pb2_grpc.AgentServiceAsyncStub:

@@ -33,3 +33,4 @@ class AgentConfig:
     work_dir: Path = Path("cpn-agent-work")
     stop_grace_s: float = 10.0
     max_backoff_s: float = 30.0
+    tls_ca: Path | None = None  # PEM roots to verify the control plane: TLS when set

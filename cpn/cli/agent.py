@@ -115,6 +115,14 @@ def agent(
     log_level: Annotated[
         str, typer.Option("--log-level", help="debug, info, warning, error.")
     ] = "info",
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-ca",
+            help="PEM CA certificate(s) to verify the control plane with: connect over TLS.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run a site's agent: discover GPUs (NVML, nvidia-smi, torch.cuda, else virtual
     slots) and RDMA NICs (sysfs), register with the control plane, heartbeat, measure the
@@ -152,6 +160,7 @@ def agent(
         probe_bytes=probe_bytes,
         worker_command=worker_command,
         work_dir=work_dir.resolve(),
+        tls_ca=tls_ca,
     )
     setup_logging(log_level)
 

@@ -94,6 +94,16 @@ def serve(
     log_level: Annotated[
         str, typer.Option("--log-level", help="debug, info, warning, error.")
     ] = "info",
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-cert", help="PEM certificate chain: serve gRPC over TLS.", show_default=False
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option("--tls-key", help="PEM private key for --tls-cert.", show_default=False),
+    ] = None,
 ) -> None:
     """Run the control plane: migrate the database, then serve agents over gRPC and the
     REST API over HTTP until interrupted.
@@ -118,6 +128,8 @@ def serve(
             lease_ttl_s=lease_ttl,
             heartbeat_interval_s=heartbeat_interval,
             max_message_bytes=max_message_bytes,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
         )
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]

@@ -14,7 +14,9 @@ import contextlib
 import logging
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -25,7 +27,7 @@ from cpn.control.leases import LeaseTable, LiveLease
 from cpn.control.servicer import AgentServicer, ControlState
 from cpn.control.settings import ControlSettings
 from cpn.control.tokens import SiteTokens
-from cpn.errors import CpnError
+from cpn.errors import CpnError, InputError
 from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
 from cpn.registry.leases import (
@@ -90,7 +92,18 @@ class ControlServer:
         )
         address = f"{settings.host}:{settings.grpc_port}"
         try:
-            self.port = server.add_insecure_port(address)
+            if settings.tls_cert is not None and settings.tls_key is not None:
+                credentials = grpc.ssl_server_credentials(
+                    [
+                        (
+                            _read_pem(settings.tls_key, "--tls-key"),
+                            _read_pem(settings.tls_cert, "--tls-cert"),
+                        )
+                    ]
+                )
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
         except RuntimeError:
             self.port = 0
         if self.port == 0:
@@ -103,7 +116,12 @@ class ControlServer:
             asyncio.create_task(self._reaper(), name="cpn-reaper"),
             asyncio.create_task(self._flusher(), name="cpn-flusher"),
         ]
-        log.info("gRPC agent service on %s:%d", settings.host, self.port)
+        log.info(
+            "gRPC agent service on %s:%d (%s)",
+            settings.host,
+            self.port,
+            "TLS" if settings.tls_cert is not None else "plaintext",
+        )
         return self.port
 
     async def stop(self, grace: float = 2.0) -> None:
@@ -219,6 +237,16 @@ class ControlServer:
     def _write_batch(self, batch: list[HeartbeatRecord]) -> None:
         with self.state.registry.write() as session:
             apply_heartbeats(session, batch)
+
+
+def _read_pem(path: Path, flag: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{flag}: {path}: cannot read ({exc.strerror})") from None
+    if b"-----BEGIN " not in data:
+        raise InputError(f"{flag}: {path}: not a PEM file")
+    return data
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

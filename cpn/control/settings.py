@@ -24,6 +24,14 @@ class ControlSettings(BaseSettings):
     reaper_interval_s: float = Field(default=0.5, gt=0)
     flush_interval_s: float = Field(default=0.5, gt=0, description="heartbeat batch writes")
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    tls_cert: Path | None = Field(default=None, description="PEM certificate chain (TLS)")
+    tls_key: Path | None = Field(default=None, description="PEM private key (TLS)")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ControlSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_fits_lease(self) -> ControlSettings:
