@@ -10,13 +10,16 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
 
 from cpn.cli import app
 from cpn.errors import CpnError, InputError
+
+if TYPE_CHECKING:  # imported when the command runs, so that `cpn --help` stays quick
+    from cpn.control import ControlSettings, SiteTokens
 
 log = logging.getLogger("cpn.serve")
 
@@ -140,16 +143,15 @@ def serve(
         asyncio.run(_serve(settings, tokens, http_sock))
 
 
-async def _serve(settings: object, tokens: object, http_sock: socket.socket) -> None:
+async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socket.socket) -> None:
     import uvicorn  # noqa: PLC0415
     from sqlalchemy.engine import make_url  # noqa: PLC0415
 
     from api import create_app  # noqa: PLC0415
     from cpn.cli.http_server import HttpServer  # noqa: PLC0415
-    from cpn.control import ControlServer, ControlSettings, SiteTokens  # noqa: PLC0415
+    from cpn.control import ControlServer  # noqa: PLC0415
     from cpn.registry import Registry  # noqa: PLC0415
 
-    assert isinstance(settings, ControlSettings) and isinstance(tokens, SiteTokens)
     registry = Registry(settings.database_url)
     control = ControlServer(settings, registry, tokens)
     await control.start()
