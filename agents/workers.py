@@ -40,6 +40,7 @@ from proto.cpn.v1 import agent_pb2 as pb
 log = logging.getLogger("cpn.agent")
 
 STATUS_POLL_S = 0.25
+_ENDED = {pb.TASK_STATE_SUCCEEDED, pb.TASK_STATE_FAILED, pb.TASK_STATE_STOPPED}
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,11 @@ class WorkerManager:
         return out
 
     async def launch(self, order: pb.LaunchOrder) -> list[int]:
+        # Forget jobs whose workers have all ended (their status was reported).
+        for job_id in [
+            j for j, ws in self._jobs.items() if all(w.last.state in _ENDED for w in ws)
+        ]:
+            del self._jobs[job_id]
         mine = [r for r in order.ranks if r.site == self.site and r.node in self.nodes]
         if not mine:
             log.info("job %s: no ranks on this agent", order.job_id)
