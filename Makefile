@@ -13,7 +13,7 @@ lint: setup
 	.venv/bin/ruff format --check .
 
 typecheck: setup
-	.venv/bin/mypy cpn bench tests
+	.venv/bin/mypy cpn api agents proto migrations bench tests
 
 unit: setup
 	.venv/bin/pytest -q

@@ -1,0 +1,257 @@
+"""The control server: gRPC agent service with auth, health, reflection, and the two
+background jobs that keep leases honest — the reaper and the heartbeat flusher.
+
+    server = ControlServer(settings, registry, tokens)
+    await server.start()          # binds, restores leases from the database, serves
+    server.dispatcher.launch(...) # the orchestration's way to send orders
+    await server.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cpn.control.auth import BearerTokenInterceptor
+from cpn.control.dispatch import AssignmentDispatcher
+from cpn.control.leases import LeaseTable, LiveLease
+from cpn.control.servicer import AgentServicer, ControlState
+from cpn.control.settings import ControlSettings
+from cpn.control.tokens import SiteTokens
+from cpn.errors import CpnError, InputError
+from cpn.registry import Registry
+from cpn.registry.events import EventKind, record_event
+from cpn.registry.leases import (
+    HeartbeatRecord,
+    StoredLease,
+    apply_heartbeats,
+    live_leases,
+    mark_lost,
+)
+from cpn.registry.models import utcnow
+from proto.cpn.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger("cpn.control")
+
+SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+
+
+class PortInUse(CpnError):
+    """The gRPC port cannot be bound."""
+
+
+class ControlServer:
+    def __init__(self, settings: ControlSettings, registry: Registry, tokens: SiteTokens) -> None:
+        self.state = ControlState(settings=settings, registry=registry, tokens=tokens)
+        self._server: aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._health = health.aio.HealthServicer()
+        self.port = 0
+
+    @property
+    def dispatcher(self) -> AssignmentDispatcher:
+        return self.state.dispatcher
+
+    @property
+    def leases(self) -> LeaseTable:
+        return self.state.leases
+
+    async def start(self) -> int:
+        """Restore leases, bind and serve. Returns the bound gRPC port."""
+        settings = self.state.settings
+        self.dispatcher.bind(asyncio.get_running_loop())
+        self.dispatcher.on_queued = self._record_order
+        await self._restore_leases()
+        limit = settings.max_message_bytes
+        server = aio.server(
+            interceptors=[BearerTokenInterceptor(self.state.tokens)],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.so_reuseport", 0),
+                ("grpc.http2.bdp_probe", 0),
+                # Agents keep WatchAssignments open for hours: ping to notice dead peers.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
+        )
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.state), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"{settings.host}:{settings.grpc_port}"
+        try:
+            if settings.tls_cert is not None and settings.tls_key is not None:
+                credentials = grpc.ssl_server_credentials(
+                    [
+                        (
+                            _read_pem(settings.tls_key, "--tls-key"),
+                            _read_pem(settings.tls_cert, "--tls-cert"),
+                        )
+                    ]
+                )
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise PortInUse(f"--grpc-port: cannot listen on {address} (in use?)")
+        await server.start()
+        self._server = server
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._tasks = [
+            asyncio.create_task(self._reaper(), name="cpn-reaper"),
+            asyncio.create_task(self._flusher(), name="cpn-flusher"),
+        ]
+        log.info(
+            "gRPC agent service on %s:%d (%s)",
+            settings.host,
+            self.port,
+            "TLS" if settings.tls_cert is not None else "plaintext",
+        )
+        return self.port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self._health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._server is not None:
+            await self._server.stop(grace)
+        await self._flush()  # the last renewals, so the database is as fresh as we were
+        self.state.db.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ background work
+
+    def _record_order(self, site: str, agent_id: str, assignment: agent_pb2.Assignment) -> None:
+        """An `order_queued` event per order, written on the database thread."""
+        kind = assignment.WhichOneof("order") or "unknown"
+        job_id = assignment.launch.job_id if kind == "launch" else assignment.stop.job_id
+        message = f"{kind} order {assignment.order_id} for job {job_id} queued for {agent_id}"
+
+        def write() -> None:
+            with self.state.registry.write() as session:
+                record_event(
+                    session,
+                    EventKind.ORDER_QUEUED,
+                    message,
+                    site=site,
+                    agent_id=agent_id,
+                    job_id=job_id,
+                    data={"order_id": assignment.order_id, "kind": kind},
+                )
+
+        task = asyncio.ensure_future(self.state.run_db(write))
+        task.add_done_callback(_log_failure)
+
+    async def _restore_leases(self) -> None:
+        """After a restart: every agent the database calls alive gets one full TTL to
+        register again (heartbeat grace, as Nomad gives after a leader change); the
+        reaper declares lost those that do not."""
+        stored = await self.state.run_db(self._load_leases)
+        ttl = self.state.settings.lease_ttl_s
+        now_wall, now_mono = datetime.now(UTC), time.monotonic()
+        for s in stored:
+            remaining = max((s.expires_at - now_wall).total_seconds(), ttl)
+            self.leases.put(
+                LiveLease(
+                    lease_id=s.lease_id,
+                    site=s.site,
+                    agent_id=s.agent_id,
+                    agent_pk=s.agent_pk,
+                    site_id=0,
+                    lease_pk=0,
+                    ttl_s=ttl,
+                    expires_mono=now_mono + remaining,
+                    restored=True,
+                )
+            )
+        if stored:
+            log.info("restored %d leases; waiting for their agents to register again", len(stored))
+
+    def _load_leases(self) -> list[StoredLease]:
+        with self.state.registry.read() as session:
+            return list(live_leases(session))
+
+    async def _reaper(self) -> None:
+        interval = self.state.settings.reaper_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("reaper: will retry")
+
+    async def reap(self) -> list[LiveLease]:
+        """Declare every agent whose lease expired lost. Returns their leases."""
+        expired = self.leases.expired()
+        for lease in expired:
+            self.leases.remove(lease)
+            dropped = self.dispatcher.drop(lease.site, lease.agent_id)
+            gpus = await self.state.run_db(self._mark_lost, lease, dropped)
+            log.warning(
+                "agent %s/%s lost: lease expired (%d GPUs lost, %d orders dropped)",
+                lease.site,
+                lease.agent_id,
+                gpus,
+                dropped,
+            )
+        return expired
+
+    def _mark_lost(self, lease: LiveLease, dropped_orders: int) -> int:
+        reason = "lease expired"
+        if dropped_orders:
+            reason += f"; {dropped_orders} queued orders dropped"
+        with self.state.registry.write() as session:
+            return mark_lost(session, lease.agent_pk, lease.lease_id, utcnow(), reason)
+
+    async def _flusher(self) -> None:
+        interval = self.state.settings.flush_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._flush()
+            except Exception:
+                log.exception("heartbeat flush failed: will retry with fresher data")
+
+    async def _flush(self) -> None:
+        batch = self.leases.take_dirty()
+        if batch:
+            await self.state.run_db(self._write_batch, batch)
+
+    def _write_batch(self, batch: list[HeartbeatRecord]) -> None:
+        with self.state.registry.write() as session:
+            apply_heartbeats(session, batch)
+
+
+def _read_pem(path: Path, flag: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{flag}: {path}: cannot read ({exc.strerror})") from None
+    if b"-----BEGIN " not in data:
+        raise InputError(f"{flag}: {path}: not a PEM file")
+    return data
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("recording an order failed: %s", task.exception())
+
+
+__all__ = ["ControlServer", "PortInUse"]

@@ -1,0 +1,111 @@
+"""Connecting to the registry's database: SQLite by default, PostgreSQL in production.
+
+`Registry` owns the engine and hands out sessions. Writes go through `Registry.write()`,
+one transaction each. On SQLite a write transaction starts with `BEGIN IMMEDIATE`: it
+takes the database's write lock up front, so two writers queue (up to the busy timeout)
+instead of both reading, both deciding, and one failing at commit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import Session, sessionmaker
+
+from cpn.errors import InputError
+
+#: The embedded default: a SQLite file in the current directory.
+DEFAULT_DATABASE_URL = "sqlite:///cpn.db"
+ENV_VAR = "CPN_DATABASE_URL"
+
+#: How long a SQLite writer waits for the lock before giving up.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
+def database_url(explicit: str | None = None) -> str:
+    """The URL to use: the explicit one, else $CPN_DATABASE_URL, else the SQLite default."""
+    return explicit or os.environ.get(ENV_VAR) or DEFAULT_DATABASE_URL
+
+
+def normalize_url(url: str) -> str:
+    """Accept the URLs operators write (`postgresql://`, `postgres://`) and pick psycopg 3."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise InputError(f"--database-url: cannot parse {url!r}") from None
+    backend = parsed.get_backend_name()
+    if backend in {"postgres", "postgresql"}:
+        if parsed.drivername in {"postgres", "postgresql"}:
+            parsed = parsed.set(drivername="postgresql+psycopg")
+    elif backend != "sqlite":
+        raise InputError(f"--database-url: {backend!r} is not supported (use sqlite or postgresql)")
+    return parsed.render_as_string(hide_password=False)
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    # pysqlite's own transaction handling defers BEGIN and cannot do BEGIN IMMEDIATE; turn
+    # it off and emit BEGIN ourselves (the SQLAlchemy documentation's recipe).
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        if engine.url.database not in (None, "", ":memory:"):
+            cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+            cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        immediate = conn.get_execution_options().get("cpn_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False},
+            **kwargs,
+        )
+        _sqlite_setup(engine)
+        return engine
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+class Registry:
+    """The registry's database: an engine and two kinds of session."""
+
+    def __init__(self, url: str) -> None:
+        self.url = normalize_url(url)
+        self.engine = make_engine(self.url)
+        self._read = sessionmaker(self.engine, expire_on_commit=False)
+        self._write = sessionmaker(
+            self.engine.execution_options(cpn_write=True), expire_on_commit=False
+        )
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        with self._read() as session:
+            yield session
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        with self._write() as session, session.begin():
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()

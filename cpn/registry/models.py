@@ -1,0 +1,341 @@
+"""The registry's tables: what the agents reported, who holds what, and what happened.
+
+The schema is created only by the Alembic migrations in `migrations/`; these classes
+describe it for the ORM, and a test checks that the two agree on SQLite and PostgreSQL.
+
+Enumerations are stored as short strings (not database enum types) so that adding a
+state is a code change, not an `ALTER TYPE` on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every backend.
+
+    SQLite has no time zones: values are stored as naive UTC and come back aware, so that
+    comparisons with `datetime.now(UTC)` never mix naive and aware values.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the registry: use datetime.now(UTC)")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class AgentStatus(StrEnum):
+    ALIVE = "alive"  # registered and its lease was renewed in time (check expiry on read)
+    LOST = "lost"  # its lease expired; its GPUs are marked lost
+
+
+class GpuStatus(StrEnum):
+    AVAILABLE = "available"  # reported by a live agent
+    LOST = "lost"  # its agent was lost, or it vanished from the inventory while allocated
+
+
+class JobState(StrEnum):
+    """DESIGN.md §8; the service layer drives the transitions."""
+
+    PENDING = "pending"
+    SCHEDULED = "scheduled"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    RESCHEDULING = "rescheduling"
+
+
+class TaskState(StrEnum):
+    """One worker (rank) of a job, as its agent reports it; mirrors cpn.v1.TaskState."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+def _enum(cls: type[StrEnum]) -> Enum:
+    return Enum(
+        cls,
+        native_enum=False,
+        create_constraint=False,
+        length=16,
+        values_callable=lambda e: [m.value for m in e],
+    )
+
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {datetime: UtcDateTime}  # noqa: RUF012 (SQLAlchemy reads it)
+
+
+class Site(Base):
+    """A datacenter. Created when its first agent registers; settings come from the operator."""
+
+    __tablename__ = "sites"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    gpu_price_per_hour: Mapped[float] = mapped_column(Float, default=0.0)
+    #: None: derived from the nodes' RDMA NICs, else a default (see topology.py).
+    intra_site_gbps: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    agents: Mapped[list[Agent]] = relationship(back_populates="site", order_by="Agent.agent_id")
+    nodes: Mapped[list[Node]] = relationship(back_populates="site", order_by="Node.name")
+    links: Mapped[list[WanLink]] = relationship(
+        foreign_keys="WanLink.site_id", back_populates="site", order_by="WanLink.peer_site_id"
+    )
+
+
+class Agent(Base):
+    __tablename__ = "agents"
+    __table_args__ = (UniqueConstraint("site_id", "agent_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
+    agent_id: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(64), default="")
+    probe_address: Mapped[str] = mapped_column(String(256), default="")
+    health: Mapped[str] = mapped_column(String(16), default="ok")
+    status: Mapped[AgentStatus] = mapped_column(_enum(AgentStatus), default=AgentStatus.ALIVE)
+    registrations: Mapped[int] = mapped_column(Integer, default=1)
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    lost_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    site: Mapped[Site] = relationship(back_populates="agents")
+    lease: Mapped[Lease | None] = relationship(back_populates="agent", uselist=False)
+    nodes: Mapped[list[Node]] = relationship(back_populates="agent", order_by="Node.name")
+
+    def alive_at(self, now: datetime) -> bool:
+        """Alive only while its lease has not expired: expiry is checked on every read."""
+        return (
+            self.status == AgentStatus.ALIVE
+            and self.lease is not None
+            and self.lease.revoked_at is None
+            and self.lease.expires_at > now
+        )
+
+
+class Lease(Base):
+    """An agent's lease: renewed by heartbeats, the agent is lost once it expires."""
+
+    __tablename__ = "leases"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    lease_id: Mapped[str] = mapped_column(String(36), unique=True)
+    agent_pk: Mapped[int] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"), unique=True)
+    ttl_ms: Mapped[int] = mapped_column(Integer)
+    granted_at: Mapped[datetime] = mapped_column(default=utcnow)
+    renewed_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    agent: Mapped[Agent] = relationship(back_populates="lease")
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    __table_args__ = (UniqueConstraint("site_id", "name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
+    agent_pk: Mapped[int] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    intra_node_gbps: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    site: Mapped[Site] = relationship(back_populates="nodes")
+    agent: Mapped[Agent] = relationship(back_populates="nodes")
+    gpus: Mapped[list[Gpu]] = relationship(
+        back_populates="node", order_by="Gpu.index", cascade="all, delete-orphan"
+    )
+    rdma_nics: Mapped[list[RdmaNic]] = relationship(
+        back_populates="node",
+        order_by="(RdmaNic.device, RdmaNic.port)",
+        cascade="all, delete-orphan",
+    )
+
+
+class Gpu(Base):
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node_id", "index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(64))
+    memory_gb: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float] = mapped_column(Float)
+    uuid: Mapped[str] = mapped_column(String(64), default="")
+    source: Mapped[str] = mapped_column(String(16), default="virtual")
+    status: Mapped[GpuStatus] = mapped_column(_enum(GpuStatus), default=GpuStatus.AVAILABLE)
+    utilisation: Mapped[float | None] = mapped_column(Float, nullable=True)
+    memory_used_gb: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    node: Mapped[Node] = relationship(back_populates="gpus")
+    allocation: Mapped[Allocation | None] = relationship(back_populates="gpu", uselist=False)
+
+
+class RdmaNic(Base):
+    """One port of an RDMA device (mlx5_0 port 1, ...)."""
+
+    __tablename__ = "rdma_nics"
+    __table_args__ = (UniqueConstraint("node_id", "device", "port"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    device: Mapped[str] = mapped_column(String(64))
+    port: Mapped[int] = mapped_column(Integer)
+    transport: Mapped[str] = mapped_column(String(16))  # infiniband | roce | iwarp
+    roce_version: Mapped[int] = mapped_column(Integer, default=0)
+    rate_gbps: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16))  # down | init | armed | active | ...
+
+    node: Mapped[Node] = relationship(back_populates="rdma_nics")
+
+
+class WanLink(Base):
+    """The latest measurement of the WAN from one site to another (directed)."""
+
+    __tablename__ = "wan_links"
+    __table_args__ = (UniqueConstraint("site_id", "peer_site_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
+    peer_site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
+    bandwidth_gbps: Mapped[float] = mapped_column(Float)
+    rtt_ms: Mapped[float] = mapped_column(Float)
+    measured_at: Mapped[datetime]
+    reported_by: Mapped[str] = mapped_column(String(128), default="")
+
+    site: Mapped[Site] = relationship(foreign_keys=[site_id], back_populates="links")
+    peer_site: Mapped[Site] = relationship(foreign_keys=[peer_site_id])
+
+
+class Job(Base):
+    """A training job. This issue needs only what allocations and tasks refer to; the
+    service layer adds the rest (tenant, quotes, history)."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.PENDING)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    allocations: Mapped[list[Allocation]] = relationship(back_populates="job")
+
+
+class Allocation(Base):
+    """One GPU held by one job. The unique GPU id is what makes double allocation
+    impossible, whatever the schedulers racing for it do."""
+
+    __tablename__ = "allocations"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"), unique=True)
+    allocated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="allocations")
+    gpu: Mapped[Gpu] = relationship(back_populates="allocation")
+
+
+class LinkReservation(Base):
+    """WAN bandwidth a job holds on a link ("a|b", names sorted)."""
+
+    __tablename__ = "link_reservations"
+    __table_args__ = (UniqueConstraint("job_id", "link_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    link_key: Mapped[str] = mapped_column(String(140))
+    gbps: Mapped[float] = mapped_column(Float)
+
+
+class Task(Base):
+    """The last status reported for one rank of a job."""
+
+    __tablename__ = "tasks"
+    __table_args__ = (UniqueConstraint("job_id", "rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(64), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    site: Mapped[str] = mapped_column(String(64))
+    agent_id: Mapped[str] = mapped_column(String(128))
+    state: Mapped[TaskState] = mapped_column(_enum(TaskState))
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    bytes_intra_node: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_intra_site: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_wan: Mapped[int] = mapped_column(BigInteger, default=0)
+    checkpoint_id: Mapped[str] = mapped_column(String(256), default="")
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Event(Base):
+    """Something that happened, for operators and the service layer's job events."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    kind: Mapped[str] = mapped_column(String(32), index=True)
+    site: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    agent_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

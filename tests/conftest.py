@@ -1,0 +1,3 @@
+"""Shared pytest fixtures live in plugin modules, one per concern."""
+
+pytest_plugins = ["tests.databases"]

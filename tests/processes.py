@@ -1,0 +1,112 @@
+"""Starting `cpn serve` and `cpn agent` as real processes, and reading what they serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CPN = [sys.executable, "-m", "cpn"]
+TOKENS = {"a": "token-site-a", "b": "token-site-b", "c": "token-site-c"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_tokens(path: Path) -> Path:
+    path.write_text("".join(f"{site}: {token}\n" for site, token in TOKENS.items()))
+    return path
+
+
+class Proc:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.log = log
+        self._out = log.open("ab")
+        self.popen = subprocess.Popen(
+            argv, stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._out.close()
+        return int(self.popen.returncode)
+
+
+def serve_argv(db_url: str, tokens: Path, grpc_port: int, http_port: int, *extra: str) -> list[str]:
+    return [
+        *CPN, "serve", "--database-url", db_url, "--site-tokens", str(tokens),
+        "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--host", "127.0.0.1",
+        *extra,
+    ]  # fmt: skip
+
+
+def agent_argv(site: str, grpc_port: int, work: Path, *extra: str) -> list[str]:
+    return [
+        *CPN, "agent", "--site", site, "--control", f"127.0.0.1:{grpc_port}",
+        "--token", TOKENS[site], "--node-name", f"{site}-node", "--probe-host", "127.0.0.1",
+        "--work-dir", str(work / f"work-{site}"), *extra,
+    ]  # fmt: skip
+
+
+def wait_until(condition: Any, timeout: float, what: str, proc: Proc | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = condition()
+        except (httpx.HTTPError, OSError, KeyError, json.JSONDecodeError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if proc is not None and not proc.alive():
+            raise AssertionError(
+                f"{proc.argv[3]} exited while waiting for {what}:\n{proc.text()[-3000:]}"
+            )
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def sites(http_port: int) -> dict[str, dict[str, Any]]:
+    reply = httpx.get(f"http://127.0.0.1:{http_port}/v1/sites", timeout=10)
+    reply.raise_for_status()
+    return {s["name"]: s for s in reply.json()}
+
+
+@contextmanager
+def running(*procs: Proc) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.stop()

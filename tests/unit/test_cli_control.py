@@ -1,0 +1,129 @@
+"""`cpn db`, `cpn serve` and `cpn agent` as an operator meets them: real processes, one
+clear line and exit status 2 for every mistake, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.control_harness import control_server
+from tests.processes import TOKENS, write_tokens
+
+CPN = [sys.executable, "-m", "cpn"]
+
+
+def cpn(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CPN, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _one_line_error(out: subprocess.CompletedProcess[str], words: str) -> None:
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and words in errors[0], out.stderr
+
+
+def test_db_upgrade_current_downgrade(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/reg.db"
+    out = cpn("db", "upgrade", "--database-url", url)
+    assert out.returncode == 0 and "database at revision 0001" in out.stdout, out.stderr
+    assert cpn("db", "current", "--database-url", url).stdout.strip() == "0001: up to date"
+    out = cpn("db", "downgrade", "base", "--database-url", url)
+    assert out.returncode == 0 and "base (empty)" in out.stdout
+    assert "behind (newest is 0001)" in cpn("db", "current", "--database-url", url).stdout
+
+
+def test_db_url_from_the_environment(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/env.db"
+    env = {**os.environ, "CPN_DATABASE_URL": url}
+    out = subprocess.run(
+        [*CPN, "db", "upgrade"], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "env.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        (
+            "postgresql://postgres@127.0.0.1:1/nowhere",
+            "database postgresql+psycopg://postgres@127.0.0.1:1/nowhere:",
+        ),
+        ("mysql://root@localhost/x", "'mysql' is not supported"),
+        ("not a url", "cannot parse"),
+        ("sqlite:////nonexistent-dir/x/y.db", "unable to open database file"),
+    ],
+)
+def test_db_bad_urls(url: str, words: str) -> None:
+    _one_line_error(cpn("db", "upgrade", "--database-url", url), words)
+
+
+def test_serve_refuses_bad_input(tmp_path: Path) -> None:
+    tokens = write_tokens(tmp_path / "tokens.yaml")
+    db = ["--database-url", f"sqlite:///{tmp_path}/s.db", "--host", "127.0.0.1"]
+    _one_line_error(cpn("serve", "--site-tokens", tmp_path / "missing.yaml", *db), "cannot read")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: same-token\nb: same-token\n")
+    _one_line_error(cpn("serve", "--site-tokens", bad, *db), "same token as site 'a'")
+    out = cpn(
+        "serve", "--site-tokens", tokens, *db, "--lease-ttl", "2", "--heartbeat-interval", "5"
+    )
+    _one_line_error(out, "heartbeat interval (5 s) must be shorter than the lease TTL (2 s)")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = cpn("serve", "--site-tokens", tokens, *db, "--http-port", port, "--grpc-port", "0")
+        _one_line_error(out, f"--http-port: cannot listen on 127.0.0.1:{port}")
+        out = cpn("serve", "--site-tokens", tokens, *db, "--grpc-port", port, "--http-port", "0")
+        _one_line_error(out, f"--grpc-port: cannot listen on 127.0.0.1:{port}")
+
+
+def test_agent_refuses_bad_flags() -> None:
+    _one_line_error(
+        cpn("agent", "--site", "a", "--control", "nowhere", "--token", "t"), "--control"
+    )
+    _one_line_error(cpn("agent", "--site", "a b", "--control", "h:1", "--token", "t"), "--site")
+    out = cpn(
+        "agent", "--site", "a", "--control", "h:1", "--token", "t", "--worker-command", "run {gpu}"
+    )
+    _one_line_error(out, "unknown placeholder {gpu}")
+
+
+def test_an_agent_with_a_wrong_token_stops_with_the_reason(tmp_path: Path) -> None:
+    with control_server(f"sqlite:///{tmp_path}/c.db") as srv:
+        common = ["--control", f"127.0.0.1:{srv.server.port}", "--virtual-gpus", "1",
+                  "--probe-host", "127.0.0.1", "--work-dir", str(tmp_path)]  # fmt: skip
+        out = cpn("agent", "--site", "a", "--token", "not-a-token", *common, timeout=60)
+        _one_line_error(out, "refused the agent: UNAUTHENTICATED: invalid token")
+        out = cpn("agent", "--site", "a", "--token", TOKENS["b"], *common, timeout=60)
+        _one_line_error(out, "PERMISSION_DENIED: site: this token is for site 'b', not 'a'")
+
+
+def test_help_describes_the_flags() -> None:
+    serve = cpn("serve", "--help").stdout
+    for flag in ("--database-url", "--grpc-port", "--http-port", "--site-tokens", "--lease-ttl"):
+        assert flag in serve
+    agent = cpn("agent", "--help").stdout
+    for flag in ("--site", "--control", "--token", "--virtual-gpus", "--gpu-model", "--sysfs-root"):
+        assert flag in agent
+
+
+def test_agent_with_its_probe_port_taken(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = cpn(
+            "agent", "--site", "a", "--control", "127.0.0.1:1", "--token", "t", "--virtual-gpus",
+            "1", "--probe-host", "127.0.0.1", "--probe-port", port, "--work-dir", str(tmp_path),
+        )  # fmt: skip
+    _one_line_error(out, f"--probe-port: cannot listen on 127.0.0.1:{port}")
