@@ -24,7 +24,11 @@ Traffic, per iteration:
     hold replicas of the stage: inside each site with c replicas a reduce and a broadcast,
     2·(c − 1)·E·g; across sites, dense: a ring all-reduce among site leaders, 2·(k − 1)·E·w
     (w: gradient bytes, or 2 with fp16); top-k at density d: a ring all-gather of each
-    leader's sparse payload, k·(k − 1)·payload (see `cpn.wire`).
+    leader's sparse payload, k·(k − 1)·payload (see `cpn.wire`). With tp > 1, parameters
+    every tensor-parallel worker holds whole (LayerNorms, row-parallel biases) are synced
+    dense even under top-k: each worker compressing its own copy would let the copies
+    drift apart. They are small (6·h per layer against 12·h²/tp sharded); their ring
+    all-reduce is added to the sparse exchange.
 
 Time, per iteration (1F1B schedule, no overlap of data-parallel sync with compute):
   (m + pp − 1)·max_p(compute_p + boundary_p) + max_p dp_sync_p
@@ -173,12 +177,24 @@ class Workload:
             return 0
         return 2 * (c - 1) * self.stage_numel(stage) * self.grad_bytes * self.tp
 
+    def sparse_params(self, stage: int) -> list[ParamShape]:
+        """Parameters top-k compresses (with tp > 1: the sharded ones), in module order."""
+        params = self.stage_params[stage]
+        return params if self.tp == 1 else [p for p in params if p.sharded]
+
+    def dense_params(self, stage: int) -> list[ParamShape]:
+        """Parameters synced dense even under top-k (tp > 1: the ones held whole)."""
+        return [] if self.tp == 1 else [p for p in self.stage_params[stage] if not p.sharded]
+
+    def dense_numel(self, stage: int) -> int:
+        return sum(p.numel for p in self.dense_params(stage))
+
     @cached_property
     def _sparse_payloads(self) -> list[int]:
         """Sparse payload bytes per tensor-parallel rank and leader, per stage."""
         out = []
-        for params in self.stage_params:
-            numels = [p.numel for p in params]
+        for stage in range(self.pp):
+            numels = [p.numel for p in self.sparse_params(stage)]
             out.append(
                 sum(
                     wire.sparse_payload_bytes(n, self.density, SPARSE_VALUE_BYTES)
@@ -197,7 +213,9 @@ class Workload:
         if k <= 1:
             return 0
         if self.sparse:
-            return k * (k - 1) * self.sparse_payload(stage) * self.tp
+            sparse = k * (k - 1) * self.sparse_payload(stage)
+            dense = 2 * (k - 1) * self.dense_numel(stage) * self.grad_bytes
+            return (sparse + dense) * self.tp
         return 2 * (k - 1) * self.stage_numel(stage) * self.wan_grad_bytes * self.tp
 
     def dp_wan_per_leader(self, stage: int, sites: int) -> float:
@@ -206,14 +224,19 @@ class Workload:
         if k <= 1:
             return 0.0
         if self.sparse:
-            return float((k - 1) * self.sparse_payload(stage) * self.tp)
+            sparse = (k - 1) * self.sparse_payload(stage)
+            dense = 2 * (k - 1) / k * self.dense_numel(stage) * self.grad_bytes
+            return float((sparse + dense) * self.tp)
         return 2 * (k - 1) / k * self.stage_numel(stage) * self.wan_grad_bytes * self.tp
 
     def dp_wan_steps(self, sites: int) -> int:
-        """Sequential messages per leader: ring all-reduce 2(k−1), ring all-gather k−1."""
+        """Sequential messages per leader: ring all-reduce 2(k−1), ring all-gather k−1
+        (plus the dense ring of whole-held parameters under top-k with tp > 1)."""
         if sites <= 1:
             return 0
-        return (sites - 1) if self.sparse else 2 * (sites - 1)
+        if not self.sparse:
+            return 2 * (sites - 1)
+        return (sites - 1) * (3 if self.tp > 1 else 1)
 
     # -- memory and compute ---------------------------------------------------------------
     def memory_bytes(self, stage: int) -> int:
@@ -376,6 +399,7 @@ def evaluate(
                 nxt = sites[(i + 1) % k]
                 if w.sparse:
                     sent = (k - 1) * w.sparse_payload(p) * tp
+                    sent += wire.ring_allreduce_bytes(w.dense_numel(p), w.grad_bytes, k, i) * tp
                 else:
                     sent = wire.ring_allreduce_bytes(e, w.wan_grad_bytes, k, i) * tp
                 load(route(site, nxt), sent)

@@ -371,7 +371,8 @@ class PlacementModel:
                     vols = [math.ceil(w.dp_wan_per_leader(p, kk) / unit) for kk in range(kmax + 1)]
                     vol = m.new_int_var(0, max(vols), f"vol{p}")
                     m.add_element(self.k[p], vols, vol)
-                    steps = (self.k[p] - 1) if w.sparse else 2 * (self.k[p] - 1)
+                    # Messages per leader are linear in k − 1 (the cost model's rule).
+                    steps = w.dp_wan_steps(2) * (self.k[p] - 1)
                     max_steps = w.dp_wan_steps(kmax)
                     for a, b in pairs:
                         r = routes[(a, b)]

@@ -75,10 +75,19 @@ def test_data_parallel_bytes_dense_fp16_and_sparse() -> None:
     assert dense.dp_intra_bytes(0, 3) == 2 * 2 * e0 * 4 * 2  # reduce + broadcast
     assert Workload.of(small_job(wan="fp16")).dp_wan_bytes(0, 2) == 2 * e0 * 2 * 2
     sparse = Workload.of(small_job(wan="topk", density=0.01))
-    # one bucket of 30 432 elements: k = 305, packed 2-byte indices, fp16 values
-    assert sparse.sparse_payload(0) == 305 * 2 + 305 * 2 == 1_220
-    assert sparse.dp_wan_bytes(0, 3) == 3 * 2 * 1_220 * 2  # k(k−1)·payload·tp
-    assert sparse.dp_wan_per_leader(0, 3) == 2 * 1_220 * 2
+    # tp = 2: top-k compresses the 28 000 sharded elements (wte/2 + the block's shards);
+    # the 2 432 held whole (wpe + LayerNorms + row biases) go dense, or the tp copies of
+    # them would drift apart. One bucket: k = 280, packed 2-byte indices, fp16 values.
+    assert sparse.dense_numel(0) == 2_048 + 384
+    assert sparse.sparse_payload(0) == 280 * 2 + 280 * 2 == 1_120
+    # k(k−1)·payload + 2(k−1)·dense·g, per tp rank, × tp
+    assert sparse.dp_wan_bytes(0, 3) == (3 * 2 * 1_120 + 2 * 2 * 2_432 * 4) * 2
+    assert sparse.dp_wan_per_leader(0, 3) == pytest.approx((2 * 1_120 + 4 / 3 * 2_432 * 4) * 2)
+    # tp = 1: everything is compressed: 58 432 elements, k = 585, 2-byte indices.
+    flat = Workload.of(small_job(tp=1, wan="topk", density=0.01))
+    assert flat.dense_numel(0) == 0
+    assert flat.sparse_payload(0) == 585 * 2 + 585 * 2
+    assert flat.dp_wan_bytes(0, 2) == 2 * 1 * 2_340
 
 
 def test_wire_sizes() -> None:
