@@ -37,6 +37,11 @@ def _violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
         ("cpn/registry", ("api", "agents")),
         ("cpn/control", ("api", "agents")),
         ("cpn/scheduler", ("api", "agents")),
+        # The comm library sits under the runtime: usable by any DDP job on its own.
+        (
+            "cpn/comm",
+            ("cpn.train", "cpn.control", "cpn.registry", "cpn.scheduler", "api", "agents"),
+        ),
     ],
 )
 def test_layers(package: str, forbidden: tuple[str, ...]) -> None:

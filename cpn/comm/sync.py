@@ -1,0 +1,227 @@
+"""Hierarchical gradient sync of one fused bucket: reduce in the site, exchange across
+sites (dense or top-k), bring the result back into the site.
+
+Leader hierarchy (what the cost model predicts byte for byte):
+  1. reduce the bucket to the site leader (`wire_dtype`);
+  2. leaders exchange: a ring all-reduce (dense; fp16/bf16 if asked) or, under top-k, a
+     ring all-gather of each leader's sparse payload (`cpn.comm.codec`), each leader
+     summing every site's entries;
+  3. broadcast the sum from the leader to its site.
+Sharded hierarchy: reduce-scatter in the site, every local rank exchanges its own shard
+with the same local rank of the other sites (in parallel, so every rank's uplink works),
+all-gather in the site.
+
+Top-k with error feedback (Deep Gradient Compression, Lin et al. 2018), on the ranks that
+exchange: `acc += g` (or, with momentum correction, `u = m·u + g; acc += u`), send the k
+largest |acc| as `value_dtype`, keep `acc − sent` as the residual: what was not sent, or
+was lost to rounding, is sent later rather than dropped. Sent + residual equals the
+accumulator exactly (fp16 rounding error is exactly representable in fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cpn import wire
+from cpn.comm import codec
+from cpn.comm.collectives import (
+    all_gather,
+    all_gather_into,
+    broadcast_from_first,
+    reduce_scatter,
+    reduce_to_first,
+    ring_all_reduce,
+)
+from cpn.comm.groups import Member
+from cpn.comm.select import topk_indices
+from cpn.comm.state import WanSyncState
+
+_DENSE_WAN_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compress(
+    acc: torch.Tensor, k: int, value_dtype: torch.dtype, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Take the top-k of `acc` out of it: returns (sorted indices, values as sent).
+
+    `acc` keeps the residual: acc_after[idx] = acc[idx] − float(sent), so that
+    float(sent) + acc_after == acc exactly.
+    """
+    idx = topk_indices(acc, k, generator=generator)
+    picked = acc[idx]
+    if value_dtype != torch.float32:
+        limit = torch.finfo(value_dtype).max
+        picked = picked.clamp(-limit, limit)
+    sent = picked.to(value_dtype)
+    acc[idx] -= sent.to(torch.float32)
+    return idx, sent
+
+
+def _gather_state(
+    store: dict[int, torch.Tensor], state: WanSyncState, slots: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
+    return torch.cat([state.buffer(store, s, n) for s, n in zip(slots, sizes, strict=True)])
+
+
+def _scatter_state(
+    store: dict[int, torch.Tensor], slots: Sequence[int], sizes: Sequence[int], flat: torch.Tensor
+) -> None:
+    offset = 0
+    for s, n in zip(slots, sizes, strict=True):
+        store[s].copy_(flat[offset : offset + n])
+        offset += n
+
+
+class _Window:
+    """The part [lo, hi) of a bucket's per-parameter state one rank exchanges."""
+
+    def __init__(
+        self, state: WanSyncState, slots: Sequence[int], sizes: Sequence[int], lo: int, hi: int
+    ) -> None:
+        self.state, self.slots, self.sizes, self.lo, self.hi = state, slots, sizes, lo, hi
+
+    def load(self, store: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        full = _gather_state(store, self.state, self.slots, self.sizes)
+        return full, full[self.lo : self.hi]
+
+    def save(self, store: dict[int, torch.Tensor], full: torch.Tensor) -> None:
+        _scatter_state(store, self.slots, self.sizes, full)
+
+
+def _exchange(
+    state: WanSyncState, v: torch.Tensor, window: _Window, member: Member, sum_of: int
+) -> torch.Tensor:
+    """Sum over sites of `v` (this rank's site's sum over `sum_of` ranks of its window)."""
+    counter = state.counter
+    if not state.sparse:
+        dtype = _DENSE_WAN_DTYPES.get(state.compression, state.wire_dtype)
+        return ring_all_reduce(v.to(dtype), member, counter, "wan").to(torch.float32)
+
+    if state.clip_norm is not None:
+        # Local gradient clipping (DGC): bound the site's mean gradient, scaled to the
+        # share of the bucket this rank holds.
+        share = (window.hi - window.lo) / max(sum(window.sizes), 1)
+        limit = state.clip_norm * sum_of * share**0.5
+        norm = float(v.norm())
+        if norm > limit:
+            v = v * (limit / norm)
+    res_full, acc = window.load(state.residuals)
+    if state.momentum > 0:
+        vel_full, u = window.load(state.velocities)
+        u.mul_(state.momentum).add_(v)
+        acc += u
+    else:
+        acc += v
+    density = state.schedule.at(state.step)
+    if density is None:
+        # Dense fp16 step: send the whole accumulator, keep its rounding error.
+        sent = acc.to(torch.float16)
+        acc -= sent.to(torch.float32)
+        window.save(state.residuals, res_full)
+        if state.momentum > 0:
+            window.save(state.velocities, vel_full)
+        return ring_all_reduce(sent, member, counter, "wan").to(torch.float32)
+
+    numel = acc.numel()
+    k = wire.topk_count(numel, density)
+    gen = torch.Generator().manual_seed(state.seed * 1_000_003 + state.step)
+    idx, values = compress(acc, k, state.value_dtype, gen)
+    window.save(state.residuals, res_full)
+    if state.momentum > 0:
+        u[idx] = 0.0  # momentum factor masking: sent entries restart their velocity
+        window.save(state.velocities, vel_full)
+    payload = codec.encode(values, idx, numel, state.value_dtype)
+    total = torch.zeros(numel)
+    for part in all_gather(payload, member, counter, "wan"):
+        vals, where = codec.decode(part, numel, k, state.value_dtype)
+        total.index_add_(0, where, vals)
+    return total
+
+
+def _flat(state: WanSyncState, flat: torch.Tensor) -> torch.Tensor:
+    g = state.groups
+    nxt = g.ranks[(g.flat.position + 1) % g.world]
+    link = "wan" if g.site_of_rank(nxt) != g.site else "intra_site"
+    return ring_all_reduce(flat.to(state.wire_dtype), g.flat, state.counter, link).to(torch.float32)
+
+
+def _leader(
+    state: WanSyncState, flat: torch.Tensor, slots: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
+    g = state.groups
+    site_sum = reduce_to_first(flat.to(state.wire_dtype), g.local, state.counter, "intra_site")
+    if g.leaders is not None:  # this rank leads its site
+        total = site_sum.to(torch.float32)
+        if g.leaders.size > 1:
+            window = _Window(state, slots, sizes, 0, flat.numel())
+            total = _exchange(state, total, window, g.leaders, g.local.size)
+        out = total.to(state.wire_dtype)
+    else:
+        out = torch.empty(flat.numel(), dtype=state.wire_dtype)
+    return broadcast_from_first(out, g.local, state.counter, "intra_site").to(torch.float32)
+
+
+def _sharded(
+    state: WanSyncState, flat: torch.Tensor, slots: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
+    g = state.groups
+    assert g.shard is not None
+    c, numel = g.local.size, flat.numel()
+    padded = -(-numel // c) * c
+    buf = torch.zeros(padded, dtype=state.wire_dtype)
+    buf[:numel] = flat
+    mine = reduce_scatter(buf, g.local, state.counter, "intra_site").to(torch.float32)
+    chunk = padded // c
+    lo = min(g.local.position * chunk, numel)
+    hi = min(lo + chunk, numel)
+    window = _Window(state, slots, sizes, lo, hi)
+    # Padding never holds gradient; exchange only the real part of the shard.
+    real = _exchange(state, mine[: hi - lo], window, g.shard, c)
+    mine = torch.zeros(chunk, dtype=state.wire_dtype)
+    mine[: hi - lo] = real
+    return all_gather_into(mine, g.local, state.counter, "intra_site")[:numel].to(torch.float32)
+
+
+def sync_flat(
+    state: WanSyncState,
+    flat: torch.Tensor,
+    slots: Sequence[int],
+    sizes: Sequence[int],
+) -> torch.Tensor:
+    """Average of one fused bucket over the data-parallel group (a new fp32 tensor).
+
+    `slots`/`sizes`: the parameters the bucket holds, in order (their slots key the
+    error-feedback state). Does not advance `state.step`.
+    """
+    if flat.numel() == 0 or state.groups.world == 1:
+        return flat.to(torch.float32).clone()
+    if state.hierarchy == "flat":
+        total = _flat(state, flat)
+    elif state.hierarchy == "sharded" and len(state.groups.sites) > 1:
+        total = _sharded(state, flat, slots, sizes)
+    else:
+        total = _leader(state, flat, slots, sizes)
+    return total / state.groups.world
+
+
+def sync_gradients(state: WanSyncState, grads: Sequence[torch.Tensor]) -> None:
+    """Average `grads` over the data-parallel group, in place; one step of the schedule.
+
+    The call the 3D runtime makes per stage: gradients are fused into the buckets
+    `cpn.wire.fuse` defines (the cost model predicts bytes from the same buckets); the
+    position of a gradient in `grads` is its slot for the error-feedback state.
+    """
+    numels = [g.numel() for g in grads]
+    for bucket in wire.fuse(numels, state.bucket_elements):
+        sizes = [numels[i] for i in bucket]
+        if sum(sizes) == 0:
+            continue
+        flat = torch.cat([grads[i].detach().reshape(-1).to(torch.float32) for i in bucket])
+        avg = sync_flat(state, flat, bucket, sizes)
+        offset = 0
+        for i, n in zip(bucket, sizes, strict=True):
+            grads[i].copy_(avg[offset : offset + n].view_as(grads[i]))
+            offset += n
+    state.step += 1
