@@ -79,11 +79,18 @@ class CompressionSpec(_Strict):
     density: float | None = Field(
         default=None, gt=0, le=1, description="fraction of gradient entries sent (topk only)"
     )
+    warmup_steps: int | None = Field(
+        default=None,
+        ge=0,
+        description="steps over which top-k density ramps from 25 % down to `density`",
+    )
 
     @model_validator(mode="after")
     def _density_only_for_topk(self) -> CompressionSpec:
         if self.density is not None and self.wan is not WanCompression.TOPK:
             raise ValueError(f"density: only meaningful with wan: topk, not wan: {self.wan}")
+        if self.warmup_steps is not None and self.wan is not WanCompression.TOPK:
+            raise ValueError(f"warmup_steps: only meaningful with wan: topk, not wan: {self.wan}")
         return self
 
     @property

@@ -37,6 +37,7 @@ from cpn.train.layout import Layout, new_groups
 from cpn.train.model import GPTConfig, GPTStage
 from cpn.train.parallelize import TensorParallel, parallelize
 from cpn.train.pipeline import PipelineStage, Schedule, StepTimes
+from cpn.train.wan_sync import HierarchicalSync
 
 WIRE_DTYPES = {Dtype.FP32: torch.float32, Dtype.BF16: torch.bfloat16, Dtype.FP16: torch.float16}
 
@@ -151,8 +152,13 @@ class Trainer:
             # With one replica there is nothing to sync: the flat sync is then a no-op.
             group = new_groups(layout.dp_groups, self.rank)
             return FlatAllReduce(group, layout, self.counters, self.wire_dtype)
-        # The site-aware sync of cpn.comm (issue 4) is being built on its own branch.
-        raise InputError("--dp-sync hierarchical: not available yet in this build; use flat")
+        return HierarchicalSync(
+            layout,
+            self.job,
+            self.counters,
+            self.wire_dtype,
+            timeout=timedelta(seconds=self.opts.timeout_s),
+        )
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:

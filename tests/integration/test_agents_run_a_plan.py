@@ -21,12 +21,8 @@ from tests.control_harness import ServerThread, control_server
 from tests.processes import Proc, agent_argv, free_port, wait_until
 
 STEPS = 4
-# The agent's default command, with flat data-parallel sync: this build of the runtime has
-# no hierarchical sync yet (the comm library is another issue).
-WORKER = (
-    "{python} -m cpn worker --plan {plan} --job {job} --rank {rank} --metrics {metrics} "
-    "--dp-sync flat"
-)
+# The agent's default command: the runtime's default, site-aware (hierarchical) sync.
+WORKER = "{python} -m cpn worker --plan {plan} --job {job} --rank {rank} --metrics {metrics}"
 JOB = {
     "name": "tiny",
     "model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 128},
