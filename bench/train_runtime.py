@@ -5,7 +5,8 @@
 
 Every layout trains the same small GPT (4 layers, hidden 256, 8 heads, seq 128, byte
 vocabulary; global batch 16 in micro-batches of 2, fp32) for a few steps on this machine,
-all workers real processes on one site (gloo on CPU). Tokens/s is the global batch's
+all workers real processes on one site (gloo on CPU), data parallelism through the
+runtime's default hierarchical sync. Tokens/s is the global batch's
 tokens over the median step time after warm-up, and the ratio is against the
 single-process run measured in the same invocation. On a machine with fewer cores than
 workers the parallel layouts share cores, so the ratios say what the runtime's overhead
@@ -90,7 +91,7 @@ def run_layout(root: Path, dp: int, tp: int, pp: int, steps: int) -> list:  # ty
     d.mkdir()
     (d / "job.yaml").write_text(yaml.safe_dump(doc))
     (d / "plan.json").write_text(plan.model_dump_json())
-    return launch_local(d / "plan.json", d / "job.yaml", d / "work", ["--dp-sync", "flat"])
+    return launch_local(d / "plan.json", d / "job.yaml", d / "work", [])
 
 
 def main() -> None:
