@@ -186,20 +186,17 @@ def test_bytes_sent_equal_the_cost_model_prediction() -> None:
 
 
 # -- error feedback, resume -------------------------------------------------------------
-def _error_feedback(rank: int, world: int) -> dict[str, Any]:
-    layout = ["a", "a", "b", "c", "c", "c"]
+def _error_feedback_case(rank: int, world: int, layout: list[str], **kw: Any) -> dict[str, Any]:
     groups = build_site_groups(layout)
 
     def make() -> WanSyncState:
         return WanSyncState(
             layout,
             site_groups=groups,
-            compression="topk",
             density=0.05,
             value_dtype="fp32",
             bucket_elements=150,
-            warmup_steps=3,
-            momentum=0.0,
+            **kw,
         )
 
     state = make()
@@ -247,11 +244,24 @@ def _error_feedback(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _error_feedback(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    uneven, even = ["a", "a", "b", "c", "c", "c"], ["a", "a", "b", "b", "c", "c"]
+    return {
+        "topk warm-up": _error_feedback_case(rank, world, uneven, warmup_steps=3),
+        # Two dense fp16 steps first (integer data: fp16 is exact), then top-k.
+        "auto": _error_feedback_case(rank, world, uneven, compression="auto", dense_steps=2),
+        # Every local rank keeps the residual of its own shard.
+        "sharded": _error_feedback_case(rank, world, even, hierarchy="sharded"),
+    }
+
+
 def test_error_feedback_conserves_the_gradient_and_resume_is_exact() -> None:
-    for r in run_ranks(_error_feedback, 6):
-        assert r["conserved"]  # Σ sent + residuals == Σ gradients, exactly
-        assert r["residual_nonzero"]  # ... and something was really held back
-        assert r["resume_exact"]
+    for by_case in run_ranks(_error_feedback, 6):
+        assert len(by_case) == 3
+        for case, r in by_case.items():
+            assert r["conserved"], case  # Σ sent + residuals == Σ gradients, exactly
+            assert r["residual_nonzero"], case  # ... and something was really held back
+            assert r["resume_exact"], case
 
 
 # -- zero and empty gradients, dead and stuck peers -------------------------------------
@@ -360,6 +370,12 @@ def _ddp(rank: int, world: int) -> dict[str, list[float]]:
         "topk": _ddp_losses(
             rank, layout, {"compression": "topk", "density": 0.05, "warmup_steps": 5}
         ),
+        # DGC: momentum correction and local clipping in the sync (the optimizer is SGD).
+        "dgc": _ddp_losses(
+            rank,
+            layout,
+            {"compression": "topk", "density": 0.05, "momentum": 0.9, "clip_norm": 1.0},
+        ),
     }
 
 
@@ -369,4 +385,5 @@ def test_ddp_hook_trains_like_plain_ddp() -> None:
     for name in ("dense", "sharded"):
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r[name], plain, strict=True)), name
     assert r["topk"][-1] < 0.5 * r["topk"][0]  # top-k with error feedback still learns
+    assert r["dgc"][-1] < 0.5 * r["dgc"][0]
     assert plain[-1] < 0.5 * plain[0]
