@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 
 from cpn import wire
+from cpn.comm.groups import Member
+
+#: The runtime's groups are the comm library's: a process group as one member sees it.
+Group = Member
 
 LINK_CLASSES = ("intra_node", "intra_site", "wan")
 
@@ -31,19 +35,6 @@ class ByteCounters:
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.sent)
-
-
-@dataclass
-class Group:
-    """A process group as one member sees it."""
-
-    handle: dist.ProcessGroup | None  # None when the group is just this worker
-    ranks: tuple[int, ...]  # global ranks, in group order
-    position: int  # this worker's index in `ranks`
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
 
 
 def all_reduce(

@@ -69,7 +69,7 @@ class HierarchicalSync:
         }
         self.main = WanSyncState(
             layout.site_of_rank,
-            compression={"none": "none", "fp16": "fp16", "topk": "topk"}[wan.value],  # type: ignore[arg-type]
+            compression=wan.value,  # none | fp16 | topk: the library's names
             density=job.compression.effective_density,
             warmup_steps=default_warmup_steps(job),
             seed=job.train.seed,
@@ -80,7 +80,7 @@ class HierarchicalSync:
             if self.dense_positions
             else None
         )
-        self._seen = {"intra_site": 0, "wan": 0}
+        self._seen = self._totals()
 
     def sync(self, grads: Sequence[torch.Tensor]) -> None:
         numels = [g.numel() for g in grads]
@@ -94,13 +94,16 @@ class HierarchicalSync:
             sync_gradients(self.whole, [grads[i] for i in self.dense_positions])
         self._count()
 
+    def _totals(self) -> dict[str, int]:
+        """Bytes both states have sent so far, by link class."""
+        states = [self.main] if self.whole is None else [self.main, self.whole]
+        return {link: sum(s.bytes_sent[link] for s in states) for link in ("intra_site", "wan")}
+
     def _count(self) -> None:
-        for link in self._seen:
-            total = self.main.bytes_sent[link]
-            if self.whole is not None:
-                total += self.whole.bytes_sent[link]
+        totals = self._totals()
+        for link, total in totals.items():
             self.counters.add(link, total - self._seen[link])
-            self._seen[link] = total
+        self._seen = totals
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -112,8 +115,4 @@ class HierarchicalSync:
         self.main.load_state_dict(state["main"])
         if self.whole is not None and state.get("whole") is not None:
             self.whole.load_state_dict(state["whole"])
-        self._seen = {link: 0 for link in self._seen}
-        for link in self._seen:
-            self._seen[link] = self.main.bytes_sent[link] + (
-                self.whole.bytes_sent[link] if self.whole is not None else 0
-            )
+        self._seen = self._totals()
