@@ -83,6 +83,10 @@ class SolverSettings:
     #: Deterministic time units per second of budget (calibrated on the benchmark models:
     #: one unit took about two seconds of one core here).
     dtime_per_second: float = 0.5
+    #: Bound, cut and start the WAN-bytes search with the per-site pattern formulation
+    #: (`cpn.scheduler.patterns`); False runs the CP-SAT search alone, as before it existed
+    #: (the benchmark compares the two in one run).
+    patterns: bool = True
 
 
 def rebase(expr: cp_model.LinearExprT, clone: cp_model.CpModel) -> cp_model.LinearExprT:
