@@ -40,6 +40,7 @@ from cpn.scheduler.realize import (
     evaluate_shards,
     realize,
 )
+from cpn.scheduler.time_bound import TimeBound, iteration_time_bound
 
 #: Up to this many candidate sites the time phase may move shards between sites; beyond
 #: it (with the bytes objective) it keeps the bytes phase's counts and chooses flows only.
@@ -79,6 +80,7 @@ def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
     scored: list[tuple[tuple[float, float], int, Counts]] = []
     makers: list[Callable[[Instance], list[ShardPlacement] | None]] = [
         heuristics.chain_fill,
+        heuristics.cluster_replicas,
         baselines.greedy,
         baselines.round_robin,
     ]
@@ -259,9 +261,21 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     # Phase 2: iteration time. On small instances the full model (counts free, flows
     # between every pair of sites); on large ones, with the bytes objective, the counts
     # of phase 1 stay and only the flows between sites are chosen (a small model).
+    time_bound: TimeBound | None = None
+    if objective is Objective.ITERATION_TIME:
+        if seed is not None and key(evaluate_shards(inst, realize(inst, seed))) < key(
+            evaluate_shards(inst, realize(inst, counts))
+        ):
+            counts = seed  # start the time search from the faster of the two
+        if settings.patterns:
+            time_bound = iteration_time_bound(inst)
     arcs = {k for k in counts.flows if k[1] != k[2]}
     full = len(inst.sites) <= FULL_TIME_MODEL_SITES or objective is Objective.ITERATION_TIME
     timed = PlacementModel(inst, with_time=True, extra_arcs=arcs, fixed=None if full else counts)
+    if time_bound is not None and timed.time_ps is not None:
+        # CP-SAT may stop when a placement meets the bound (less the model's rounding).
+        floor_ps = math.floor(time_bound.seconds * PS * (1 - TIME_MODEL_TOLERANCE))
+        timed.m.add(timed.time_ps >= floor_ps)
     primary: PhaseReport | None = bytes_phase if objective is Objective.WAN_BYTES else None
     if objective is Objective.WAN_BYTES:
         cap = (Objective.WAN_BYTES, best_units) if best_units is not None else None
@@ -286,7 +300,11 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         seed_ev = evaluate_shards(inst, seed_shards)
         if key(seed_ev) < key(ev):
             shards, ev = seed_shards, seed_ev
-    proven = ProvenBound(float(pattern.bound), "pattern bound") if pattern is not None else None
+    proven = None
+    if pattern is not None:
+        proven = ProvenBound(float(pattern.bound), "pattern bound")
+    elif time_bound is not None:
+        proven = ProvenBound(time_bound.seconds, "time bound")
     report = _report(primary, objective, ev, time.perf_counter() - start, proven)
     return Solved(shards, ev, report)
 
