@@ -214,14 +214,15 @@ class MasterLP:
             self.z.append(z)
             self._secant(p, problem.kmin[p])
             self._secant(p, problem.kmax[p] - 1)
-        # Artificial columns: any coverage, at a cost far above what a shard can save.
+        # Artificial columns: any coverage and any k, at a cost far above what a shard
+        # can save, so that the LP is feasible before the patterns are.
         most = problem.boundary * pp + max(max(t) for t in problem.sync) + 1
         big = 4.0 * most / self.scale + 4.0
         self.artificials = []
-        for p in range(pp):
+        for row in (*self.cover, *self.link):
             for sign in (1, -1):
-                art = lp.NumVar(0, inf, f"art{p}{'+' if sign > 0 else '-'}")
-                self.cover[p].SetCoefficient(art, sign)
+                art = lp.NumVar(0, inf, f"art_{row.name()}{'+' if sign > 0 else '-'}")
+                row.SetCoefficient(art, sign)
                 self.objective.SetCoefficient(art, big)
                 self.artificials.append(art)
         self.objective.SetMinimization()
