@@ -233,7 +233,11 @@ def test_auto_picks_the_fastest_layout_and_reports_runners_up() -> None:
     plan = plan_job(topo, spec, settings=SolverSettings(time_limit=4))
     assert plan.parallel.world_size == 16
     assert plan.solver.layouts_considered == len(candidates(spec, topo))
-    assert plan.runners_up
+    # Every other layout was either solved (and is a runner-up) or pruned by its bound.
+    solved, pruned = plan.solver.layouts_solved, plan.solver.layouts_pruned
+    assert solved is not None and pruned is not None
+    assert solved + pruned == plan.solver.layouts_considered
+    assert len(plan.runners_up) == min(3, solved - 1)
     assert all(
         r.predicted_iteration_seconds >= plan.predicted_iteration_seconds for r in plan.runners_up
     )

@@ -19,6 +19,7 @@ from cpn.contracts import JobSpec, Topology
 from cpn.costmodel import Workload
 from cpn.errors import InfeasibleError
 from cpn.scheduler import Objective, SolverSettings, plan_job
+from cpn.scheduler.auto import candidates
 from cpn.scheduler.bruteforce import brute_force
 from cpn.scheduler.cpsat import PlacementModel
 from cpn.scheduler.instance import Instance, build_instance
@@ -340,3 +341,32 @@ def test_iteration_time_reports_its_own_bound() -> None:
     assert s.bound >= iteration_time_bound(inst).seconds * (1 - 1e-12) or s.status == "OPTIMAL"
     assert s.bound <= plan.predicted_iteration_seconds
     assert math.isclose(s.gap, 0.0) or s.gap == pytest.approx((s.objective - s.bound) / s.objective)
+
+
+def test_auto_bound_holds_for_every_layout_and_pruning_is_by_that_bound() -> None:
+    topo = topology([site("a", nodes=2), site("b", nodes=2)], [link("a", "b", 10, 20)])
+    spec = JobSpec.model_validate(
+        {
+            "name": "auto",
+            "model": {"layers": 8, "hidden": 1024, "heads": 16, "seq_len": 512, "vocab": 32000},
+            "train": {"global_batch": 64, "micro_batch": 2, "dtype": "bf16", "steps": 1},
+            "parallel": "auto",
+            "gpus": 16,
+            "compression": {"wan": "topk"},
+        }
+    )
+    plan = plan_job(topo, spec, objective=Objective.ITERATION_TIME, settings=SETTINGS)
+    s = plan.solver
+    assert (s.objective_name, s.proved_by) in (
+        ("iteration_time", "time bound"),
+        ("iteration_time", "CP-SAT"),
+    )
+    assert s.bound <= s.objective == plan.predicted_iteration_seconds
+    # The bound is below the best time of every layout, each placed on its own.
+    for _, par in candidates(spec, topo):
+        fixed = spec.model_copy(update={"parallel": par, "gpus": None})
+        try:
+            alone = plan_job(topo, fixed, objective=Objective.ITERATION_TIME, settings=SETTINGS)
+        except InfeasibleError:
+            continue
+        assert s.bound <= alone.predicted_iteration_seconds * (1 + 1e-9)
