@@ -53,7 +53,7 @@ FINISH_SHARE = 0.08
 #: Relative error of the time model's integer coefficients against the cost model.
 TIME_MODEL_TOLERANCE = 2e-3
 #: Share of the budget the pattern search (bound, cuts, plans) may take for WAN bytes.
-PATTERN_SHARE = 0.3
+PATTERN_SHARE = 0.4
 
 
 def objective_key(objective: Objective) -> Callable[[Evaluation], tuple[float, float]]:

@@ -38,6 +38,10 @@ class Branching:
     bound: int  # proven, bytes, a multiple of the unit
     nodes: int  # nodes solved, the root included
     proved: bool  # every node pruned by the incumbent: it is optimal
+    #: The k limits of the open node with the least bound: where a better plan most
+    #: likely lies (its LP, re-solved, is the residual master's guide).
+    best_lo: list[int] | None = None
+    best_hi: list[int] | None = None
 
 
 @dataclass(order=True)
@@ -96,6 +100,7 @@ def branch_on_sites(
     if not heap:
         assert incumbent is not None
         return Branching(incumbent, nodes, True)
+    lowest = min(heap)
     # The least exact bound over the open nodes; a node whose float bound is clearly above
     # the least exact one found so far cannot lower it.
     best: int | None = None
@@ -107,4 +112,4 @@ def branch_on_sites(
     assert best is not None
     if incumbent is not None and best >= incumbent:
         return Branching(incumbent, nodes, True)
-    return Branching(best, nodes, False)
+    return Branching(best, nodes, False, lowest.lo, lowest.hi)

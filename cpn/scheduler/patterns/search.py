@@ -1,8 +1,11 @@
 """The pattern search: bound, branching, plans and cuts for one instance, within a budget.
 
 1. Column generation from the heuristics' patterns gives the LP bound and the prices.
-2. The integer master (residual, then full) turns the generated patterns into plans.
-3. Branching on the sites per stage raises the bound, with the best plan as cutoff.
+2. Integer masters turn the generated patterns into plans: the residual of the LP, and the
+   over-covering one trimmed by CP-SAT.
+3. Branching on the sites per stage raises the bound, with the best plan as cutoff; the
+   residual of its most promising node's LP is tried next.
+4. What effort is left goes to the full master, started from the best plan.
 
 What comes out — the proven bound, the best plan, and the prices for cuts — goes to the
 CP-SAT model (`solve.py`): `objective ≥ bound`, the cuts, and the better of this plan and
@@ -26,11 +29,12 @@ from cpn.scheduler.patterns.master import integer_master, shaved, whole_sites
 from cpn.scheduler.patterns.problem import PatternProblem, pattern_problem, patterns_of
 from cpn.scheduler.realize import Counts
 
-#: Shares of the pattern search's budget: at most for column generation, at most for the
-#: residual master, and at least for branching (the full master takes what is between).
-COLUMN_SHARE = 0.35
-RESIDUAL_SHARE = 0.15
-TRIM_SHARE = 0.1
+#: Shares of the pattern search's budget (each step takes at most its share, or what is
+#: left): column generation (at the root, and again at the best node), each integer master,
+#: the trimming of the over-covering master's plan, and branching.
+COLUMN_SHARE = 0.2
+MASTER_SHARE = 0.1
+TRIM_SHARE = 0.05
 BRANCHING_SHARE = 0.25
 #: Most patterns the full master takes with the smaller variants of every pattern.
 MASTER_COLUMNS = 5000
@@ -97,91 +101,121 @@ def pattern_search(
     plans = [patterns_of(inst, c) for c in starts]
     best: dict[str, Pattern] | None = None
     best_bytes: int | None = None
+    spent = 0.0
+
+    def offer(plan: dict[str, Pattern] | None) -> None:
+        nonlocal best, best_bytes
+        if plan is not None:
+            value = problem.wan_bytes(plan)
+            if best_bytes is None or value < best_bytes:
+                best, best_bytes = plan, value
+
     for plan in plans:
-        value = problem.wan_bytes(plan)
-        if best_bytes is None or value < best_bytes:
-            best, best_bytes = plan, value
+        offer(plan)
+
+    def share(fraction: float) -> float:
+        """Effort for a step: its fraction of the budget, or what is left if less."""
+        return max(0.0, min(seconds * fraction, seconds - spent))
 
     master = start_master(problem, ((class_of[s], a) for p in plans for s, a in p.items()))
-    effort = Effort.of(seconds * COLUMN_SHARE, seconds * COLUMN_SHARE * WALL_FACTOR)
+    effort = Effort.of(share(COLUMN_SHARE), share(COLUMN_SHARE) * WALL_FACTOR)
     root = generate(master, effort, stop_at=best_bytes)
-    spent = effort.spent
-    lp_bound = exact_bound(problem, root.best_prices) if root.best_prices is not None else 0
-    support = master.solution() if root.converged else {}
-    support = {k: v for k, v in support.items() if v > 1e-6}
+    spent += effort.spent
+    bound = exact_bound(problem, root.best_prices) if root.best_prices is not None else 0
+    lp_bound = bound
     cuts = [p for p in (root.best_prices, root.last_prices) if p is not None]
     if cuts and cuts[0] == cuts[-1]:
         cuts = cuts[:1]
 
     def done() -> bool:
-        return best_bytes is not None and lp_bound >= best_bytes
+        return best_bytes is not None and bound >= best_bytes
 
-    def run_master(
-        columns: list[list[Pattern]],
-        share: float,
-        start: dict[str, Pattern] | None,
-        at_least: dict[tuple[int, Pattern], int] | None = None,
-    ) -> None:
-        nonlocal best, best_bytes, spent
-        if share <= 0:
+    def lp_support() -> dict[tuple[int, Pattern], float]:
+        """The LP's current solution (read before anything changes the LP)."""
+        return {k: v for k, v in master.solution().items() if v > 1e-6}
+
+    def residual(support: dict[tuple[int, Pattern], float], effort_s: float) -> None:
+        """The residual master on an LP solution (see master.py)."""
+        nonlocal spent
+        if not support or effort_s <= 0 or done():
             return
+        columns = [[a for (ci, a) in master.columns if ci == c.index] for c in problem.classes]
+        extra = shaved(problem, support)
         got = integer_master(
             problem,
-            columns,
-            lp_bound,
-            start,
-            share * settings.dtime_per_second,
-            share * WALL_FACTOR,
+            [c + e for c, e in zip(columns, extra, strict=True)],
+            bound,
+            None,
+            effort_s * settings.dtime_per_second,
+            effort_s * WALL_FACTOR,
             settings.seed,
-            at_least,
+            at_least=whole_sites(support),
         )
         spent += got.deterministic_time / settings.dtime_per_second
-        better = got.wan_bytes is not None and (best_bytes is None or got.wan_bytes < best_bytes)
-        if better and got.patterns is not None:
-            best, best_bytes = got.patterns, got.wan_bytes
+        offer(got.patterns)
 
-    columns = [[a for (ci, a) in master.columns if ci == c.index] for c in problem.classes]
-    if support and not done():
-        # The residual: whole LP sites kept, the LP's patterns and smaller ones for the rest.
-        extra = shaved(problem, support)
-        residual = [c + e for c, e in zip(columns, extra, strict=True)]
-        run_master(residual, seconds * RESIDUAL_SHARE, None, whole_sites(support))
-    if support and not done():
-        # Over-covering, then trimmed to dp on the site-level model (dense sync's friend).
-        over = integer_master(
-            problem,
-            columns,
-            lp_bound,
-            None,
-            seconds * RESIDUAL_SHARE * settings.dtime_per_second,
-            seconds * RESIDUAL_SHARE * WALL_FACTOR,
-            settings.seed,
-            over=True,
-        )
-        spent += over.deterministic_time / settings.dtime_per_second
-        if over.patterns is not None:
-            trimmed, used = trim(inst, problem, over.patterns, cuts, seconds * TRIM_SHARE, settings)
-            spent += used
-            if trimmed is not None:
-                value = problem.wan_bytes(trimmed)
-                if best_bytes is None or value < best_bytes:
-                    best, best_bytes = trimmed, value
-    if not done():
-        # Every pattern, and each a shard or two smaller: integer plans need the slack.
+    nodes = 1
+    if root.converged:
+        residual(lp_support(), share(MASTER_SHARE))
+        if not done():
+            # Over-covering, then trimmed to dp on the site-level model.
+            columns = [[a for (ci, a) in master.columns if ci == c.index] for c in problem.classes]
+            budget = share(MASTER_SHARE)
+            over = integer_master(
+                problem,
+                columns,
+                bound,
+                None,
+                budget * settings.dtime_per_second,
+                budget * WALL_FACTOR,
+                settings.seed,
+                over=True,
+            )
+            spent += over.deterministic_time / settings.dtime_per_second
+            if over.patterns is not None:
+                trimmed, used = trim(
+                    inst, problem, over.patterns, cuts, share(TRIM_SHARE), settings
+                )
+                spent += used
+                offer(trimmed)
+        if not done():
+            budget = share(BRANCHING_SHARE)
+            branch_effort = Effort.of(budget, budget * WALL_FACTOR)
+            branching = branch_on_sites(master, root, best_bytes, branch_effort)
+            spent += branch_effort.spent
+            nodes = branching.nodes
+            bound = max(bound, branching.bound)
+            if branching.best_lo is not None and branching.best_hi is not None and not done():
+                # The most promising node's LP: its residual often rounds where the root's
+                # did not (its k are integral or nearly so).
+                node_effort = Effort.of(share(COLUMN_SHARE), share(COLUMN_SHARE) * WALL_FACTOR)
+                generate(master, node_effort, branching.best_lo, branching.best_hi)
+                spent += node_effort.spent
+                support = lp_support()
+                master.set_k_bounds(problem.kmin, problem.kmax)
+                residual(support, share(MASTER_SHARE))
+    if not done() and best is not None:
+        # What is left: every pattern, and each a shard or two smaller, from the best plan.
+        columns = [[a for (ci, a) in master.columns if ci == c.index] for c in problem.classes]
         extra = shaved(problem, dict.fromkeys(master.columns, 1.0))
         if sum(map(len, columns)) + sum(map(len, extra)) > MASTER_COLUMNS:
             extra = [[] for _ in columns]
-        full = [c + e for c, e in zip(columns, extra, strict=True)]
-        run_master(full, seconds * (1 - BRANCHING_SHARE) - spent, best)
-
-    bound, nodes, proved = lp_bound, 1, done()
-    if root.converged and not proved:
-        left = max(seconds * BRANCHING_SHARE, seconds - spent)
-        branching = branch_on_sites(master, root, best_bytes, Effort.of(left, left * WALL_FACTOR))
-        nodes = branching.nodes
-        bound, proved = max(lp_bound, branching.bound), branching.proved
-    if best_bytes is not None and bound >= best_bytes:
-        bound, proved = best_bytes, True
+        budget = share(1.0)
+        if budget > 0:
+            got = integer_master(
+                problem,
+                [c + e for c, e in zip(columns, extra, strict=True)],
+                bound,
+                best,
+                budget * settings.dtime_per_second,
+                budget * WALL_FACTOR,
+                settings.seed,
+            )
+            spent += got.deterministic_time / settings.dtime_per_second
+            offer(got.patterns)
+    proved = done()
+    if best_bytes is not None and proved:
+        bound = best_bytes
     return PatternResult(
         problem=problem,
         bound=bound,
