@@ -23,16 +23,11 @@ from cpn.scheduler.auto import candidates
 from cpn.scheduler.bruteforce import brute_force
 from cpn.scheduler.cpsat import PlacementModel
 from cpn.scheduler.instance import Instance, build_instance
+from cpn.scheduler.patterns.bound import Prices, exact_bound, lagrangian
 from cpn.scheduler.patterns.classes import SiteClass, site_classes
-from cpn.scheduler.patterns.colgen import (
-    Effort,
-    Prices,
-    exact_bound,
-    generate,
-    lagrangian,
-    start_master,
-)
+from cpn.scheduler.patterns.colgen import generate, start_master
 from cpn.scheduler.patterns.cuts import add_cuts
+from cpn.scheduler.patterns.effort import Effort
 from cpn.scheduler.patterns.pricing import best_pattern, pattern_value
 from cpn.scheduler.patterns.problem import counts_of, pattern_problem, patterns_of
 from cpn.scheduler.patterns.search import pattern_search

@@ -22,15 +22,9 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from cpn.scheduler.patterns.colgen import (
-    INTEGRAL,
-    Effort,
-    Generated,
-    MasterLP,
-    Prices,
-    exact_bound,
-    generate,
-)
+from cpn.scheduler.patterns.bound import Prices, exact_bound
+from cpn.scheduler.patterns.colgen import INTEGRAL, Generated, MasterLP, generate
+from cpn.scheduler.patterns.effort import Effort
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Column generation (Dantzig–Wolfe) over per-site patterns: a bound valid at every step.
+"""Column generation (Dantzig–Wolfe) over per-site patterns.
 
 Master LP, over the patterns generated so far (λ[c, a]: sites of class c using pattern a):
 
@@ -9,176 +9,29 @@ Master LP, over the patterns generated so far (λ[c, a]: sites of class c using 
           Σ_a λ[c, a] = |c|                for every class c (the empty pattern included)
 
 with v(a) = Σ min(a_p, a_{p+1}) the replicas that stay in the site. GLOP solves it; the
-duals (π, μ) price new patterns (`pricing.best_pattern`, exact, once per class).
-
-The bound does not wait for the LP to converge: for *any* prices (π, μ), relaxing the
-coverage and k rows gives the Lagrangian
-
-    L(π, μ) = B·(pp − 1)·dp + Σ_p π_p·dp − Σ_c |c|·max_a [B·v(a) + π·a + μ·[a ≥ 1]]
-              + Σ_p min_{lo_p ≤ k ≤ hi_p, k integer} (c_p(k) + μ_p·k)
-
-which is at most the WAN bytes of every placement with lo ≤ k ≤ hi (each site's pattern is
-one of the maximised-over ones, and c_p is exact at the integer k). The maxima are exact
-(the programme), so every iteration's L is a proven bound, and a time cap is safe. At the
-LP optimum L equals the LP value. Artificial columns (big cost) keep the LP feasible before
-any pattern set covers the stages; they do not enter L, so they cannot make it invalid.
+duals (π, μ) price new patterns (`pricing.best_pattern`, exact, once per class), and every
+iteration's prices give a proven bound (`bound.lagrangian`), so the loop can stop at any
+time. Artificial columns (big cost) keep the LP feasible before any pattern set covers
+the stages; they are not part of the bound, so they cannot make it invalid.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
-from cpn.scheduler.patterns.classes import Pattern, SiteClass, stays
-from cpn.scheduler.patterns.pricing import Priced, best_pattern
+from cpn.scheduler.patterns.bound import Prices, lagrangian
+from cpn.scheduler.patterns.classes import Pattern, stays
+from cpn.scheduler.patterns.effort import LP_ENTRY_S, Effort, pricing_effort
 from cpn.scheduler.patterns.problem import PatternProblem
 
 #: A pattern enters the LP when its reduced cost is below −this (LP units, B = 1).
 ENTER_TOLERANCE = 1e-7
-#: Relative safety margin taken off the floating-point Lagrangian before rounding it up to
-#: a multiple of the objective's unit (its terms are exact; only the sums are rounded).
-FLOAT_MARGIN = 1e-9
 #: LP values closer than this to an integer count as integral.
 INTEGRAL = 1e-6
-
-
-#: Effort of the work below in seconds of one quiet core of the development machine,
-#: fitted on the benchmark instances: a pricing call, per cell of its programme, and an LP
-#: solve per row and column. Counting effort instead of reading the clock keeps the
-#: column generation's result the same on a busy machine (the clock is only a safety net).
-PRICING_CALL_S = 2e-4
-PRICING_CELL_S = 2e-8
-LP_ENTRY_S = 2e-6
-
-
-@dataclass
-class Effort:
-    """A budget of deterministic effort, with a wall-clock deadline as a safety net."""
-
-    limit: float  # effort seconds
-    deadline: float  # time.perf_counter() value
-    spent: float = 0.0
-
-    @classmethod
-    def of(cls, seconds: float, wall_seconds: float) -> Effort:
-        return cls(seconds, time.perf_counter() + wall_seconds)
-
-    def spend(self, seconds: float) -> None:
-        self.spent += seconds
-
-    @property
-    def left(self) -> bool:
-        return self.spent < self.limit and time.perf_counter() < self.deadline
-
-
-def pricing_effort(cls: SiteClass) -> float:
-    total = min(cls.slots, sum(cls.caps))
-    top = min(max(cls.caps, default=0), total)
-    width = total + 1 if cls.slots < sum(cls.caps) else 1
-    return PRICING_CALL_S + PRICING_CELL_S * len(cls.caps) * (top + 1) * width
-
-
-@dataclass(frozen=True)
-class Prices:
-    """Dual prices in bytes: per shard of stage p, and per site holding stage p."""
-
-    shard: tuple[float, ...]
-    use: tuple[float, ...]
-
-
-def lagrangian(
-    problem: PatternProblem,
-    prices: Prices,
-    lo: Sequence[int] | None = None,
-    hi: Sequence[int] | None = None,
-) -> tuple[float, list[Priced]]:
-    """L(π, μ) in bytes for sites per stage in [lo, hi], and each class's best pattern."""
-    lo = problem.kmin if lo is None else lo
-    hi = problem.kmax if hi is None else hi
-    priced = [
-        best_pattern(cls, problem.boundary, prices.shard, prices.use) for cls in problem.classes
-    ]
-    value = float(problem.crossing_all)
-    value += sum(pi * problem.dp for pi in prices.shard)
-    value -= sum(
-        cls.size * max(0.0, float(pr.value))
-        for cls, pr in zip(problem.classes, priced, strict=True)
-    )
-    for p in range(problem.pp):
-        table, mu = problem.sync[p], prices.use[p]
-        value += min(table[k] + mu * k for k in range(lo[p], hi[p] + 1))
-    return value, priced
-
-
-def round_bound(problem: PatternProblem, value: float) -> int:
-    """The least multiple of the unit ≥ `value` less a float safety margin; never < 0.
-
-    For decisions only (stopping, pruning); the bounds reported come from `exact_bound`.
-    """
-    safe = value - FLOAT_MARGIN * (abs(value) + problem.crossing_all + 1)
-    return max(0, math.ceil(safe / problem.unit) * problem.unit)
-
-
-@dataclass(frozen=True)
-class IntegerPrices:
-    """Prices scaled to integers: the true prices are these ÷ `scale`, in units of `unit`."""
-
-    scale: int
-    stay: int
-    shard: tuple[int, ...]
-    use: tuple[int, ...]
-
-
-def integer_prices(problem: PatternProblem, prices: Prices, bits: int) -> IntegerPrices:
-    """(B, π, μ) in objective units × 2^s, rounded, with the largest about 2^bits.
-
-    Any prices give a valid Lagrangian and valid cuts, so rounding them costs at most a
-    sliver of strength, never validity; the integer programme then evaluates them exactly.
-    """
-    unit = problem.unit
-    top = max((min(c.slots, sum(c.caps)) for c in problem.classes), default=1)
-    size = (problem.boundary / unit + max(map(abs, prices.shard), default=0.0) / unit) * max(
-        top, 1
-    ) * problem.pp + sum(abs(v) for v in prices.use) / unit
-    shift = max(0, min(40, bits - math.ceil(math.log2(size + 1))))
-    scale = 1 << shift
-    return IntegerPrices(
-        scale,
-        problem.boundary // unit * scale,
-        tuple(round(v / unit * scale) for v in prices.shard),
-        tuple(round(v / unit * scale) for v in prices.use),
-    )
-
-
-def exact_bound(
-    problem: PatternProblem,
-    prices: Prices,
-    lo: Sequence[int] | None = None,
-    hi: Sequence[int] | None = None,
-) -> int:
-    """A proven lower bound in bytes (a multiple of the unit), computed in integers.
-
-    The Lagrangian of the prices rounded by `integer_prices`, with the exact integer
-    programme for each class and Python integers for the sum: no floating point between
-    the prices and the bound, so the rounding up to the objective's unit is exact.
-    """
-    lo = problem.kmin if lo is None else lo
-    hi = problem.kmax if hi is None else hi
-    q = integer_prices(problem, prices, bits=58)
-    unit = problem.unit
-    total = problem.crossing_all // unit * q.scale + sum(v * problem.dp for v in q.shard)
-    for cls in problem.classes:
-        best = int(best_pattern(cls, q.stay, q.shard, q.use).value)
-        total -= cls.size * max(0, best)
-    for p in range(problem.pp):
-        table = problem.sync[p]
-        total += min(table[k] // unit * q.scale + q.use[p] * k for k in range(lo[p], hi[p] + 1))
-    units = -(-total // q.scale)  # ceil, exact
-    return max(0, units) * unit
 
 
 class MasterLP:
@@ -218,13 +71,11 @@ class MasterLP:
         # can save, so that the LP is feasible before the patterns are.
         most = problem.boundary * pp + max(max(t) for t in problem.sync) + 1
         big = 4.0 * most / self.scale + 4.0
-        self.artificials = []
         for row in (*self.cover, *self.link):
             for sign in (1, -1):
                 art = lp.NumVar(0, inf, f"art_{row.name()}{'+' if sign > 0 else '-'}")
                 row.SetCoefficient(art, sign)
                 self.objective.SetCoefficient(art, big)
-                self.artificials.append(art)
         self.objective.SetMinimization()
         self.columns: dict[tuple[int, Pattern], pywraplp.Variable] = {}
         for cls in problem.classes:
@@ -291,10 +142,6 @@ class MasterLP:
             if not self._missing_secants():
                 return True
 
-    def value(self) -> float:
-        """The LP's objective in bytes, constant included."""
-        return float(self.objective.Value()) * self.scale + self.problem.crossing_all
-
     def prices(self) -> tuple[Prices, list[float]]:
         """(π, μ) in bytes and the classes' duals σ in LP units; read before any change."""
         prices = Prices(
@@ -308,9 +155,6 @@ class MasterLP:
 
     def sites_per_stage(self) -> list[float]:
         return [float(v.solution_value()) for v in self.k]
-
-    def artificial(self) -> float:
-        return float(sum(v.solution_value() for v in self.artificials))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from cpn.scheduler.cpsat import PlacementModel
-from cpn.scheduler.patterns.colgen import Prices, integer_prices
+from cpn.scheduler.patterns.bound import Prices, integer_prices
 from cpn.scheduler.patterns.pricing import best_pattern
 from cpn.scheduler.patterns.problem import PatternProblem
 

@@ -21,10 +21,12 @@ from ortools.sat.python import cp_model
 
 from cpn.scheduler.cpsat import PlacementModel, SolverSettings, configure
 from cpn.scheduler.instance import Instance
+from cpn.scheduler.patterns.bound import Prices, exact_bound
 from cpn.scheduler.patterns.branching import branch_on_sites
 from cpn.scheduler.patterns.classes import Pattern
-from cpn.scheduler.patterns.colgen import Effort, Prices, exact_bound, generate, start_master
+from cpn.scheduler.patterns.colgen import generate, start_master
 from cpn.scheduler.patterns.cuts import add_cuts
+from cpn.scheduler.patterns.effort import Effort
 from cpn.scheduler.patterns.master import integer_master, shaved, whole_sites
 from cpn.scheduler.patterns.problem import PatternProblem, pattern_problem, patterns_of
 from cpn.scheduler.realize import Counts
