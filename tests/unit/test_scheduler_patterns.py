@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
@@ -365,3 +366,33 @@ def test_auto_bound_holds_for_every_layout_and_pruning_is_by_that_bound() -> Non
         except InfeasibleError:
             continue
         assert s.bound <= alone.predicted_iteration_seconds * (1 + 1e-9)
+
+
+def test_lp_patterns_a_site_cannot_hold_never_reach_a_plan() -> None:
+    """Found by hypothesis: the LP used a pattern the relaxed pricing allows but site a's
+    two node kinds cannot hold, and the residual master kept it (a crash). Here no
+    placement exists at all (two stages need the one big node); the answer must say so."""
+
+    def node(name: str, memory_gb: float) -> dict[str, Any]:
+        gpu = {"model": "X", "count": 1, "memory_gb": memory_gb, "tflops": 100}
+        return {"name": name, "gpu": gpu, "intra_node_gbps": 2000}
+
+    def one_site(name: str, *nodes: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "intra_site_gbps": 100, "nodes": list(nodes)}
+
+    small, big = 1.0028253326416015, 1.062431884765625
+    topo = topology(
+        [
+            one_site("a", node("n0", small), node("n3", big)),
+            one_site("b", node("n1", small)),
+            one_site("c", node("n2", small)),
+        ],
+        [link("a", "b", 0.5, 5), link("b", "c", 0.5, 5)],
+    )
+    spec = job(1, 1, 3, layers=6, hidden=64, heads=4, seq_len=32, vocab=50_000, micro_batches=1)
+    inst = build_instance(topo, Workload.of(spec))
+    (cls_a,) = [c for c in site_classes(inst) if c.sites == ("a",)]
+    assert not cls_a.exact and not cls_a.holds((1, 0, 1))
+    assert brute_force(inst, objective_key(Objective.WAN_BYTES)) is None
+    with pytest.raises(InfeasibleError, match="no placement"):
+        plan_job(topo, spec, settings=SETTINGS)

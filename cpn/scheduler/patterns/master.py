@@ -95,9 +95,10 @@ def integer_master(
         if start is not None:
             options.update(start[s] for s in cls.sites)
         if at_least:
-            options.update(a for ci, a in at_least if ci == cls.index)
+            # The LP's patterns come from the pricing's relaxation: keep those a site holds.
+            options.update(a for ci, a in at_least if ci == cls.index and cls.holds(a))
         for a in sorted(options):
-            lo = at_least.get((cls.index, a), 0) if at_least else 0
+            lo = at_least.get((cls.index, a), 0) if at_least and cls.holds(a) else 0
             use[(cls.index, a)] = m.new_int_var(lo, cls.size, f"w{cls.index}_{a}")
         m.add(sum(v for (ci, _), v in use.items() if ci == cls.index) == cls.size)
     covered = [sum(a[p] * v for (_, a), v in use.items() if a[p]) for p in range(pp)]
