@@ -11,11 +11,15 @@ data-parallel replica, then the pipeline stage, as in Megatron-LM:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cpn.contracts.job import CompressionSpec, ParallelSpec
+from cpn.contracts.job import CompressionSpec, JobSpec, ParallelSpec
+from cpn.contracts.topology import Topology
 
 
 class _Model(BaseModel):
@@ -91,8 +95,50 @@ class RankInfo:
     gpu: int
 
 
+def _digest(doc: Any) -> str:
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+#: Job fields that do not change what a plan predicts: a plan stays valid when they change.
+_FREE_TRAIN_FIELDS = ("steps", "lr", "seed")
+
+
+def job_digest(job: JobSpec) -> str:
+    """A fingerprint of what a plan for `job` depends on: its name, model, batch and dtype,
+    layout, GPU budget, compression and constraints (not steps, learning rate, seed or
+    priority, which a plan does not predict from)."""
+    doc = job.model_dump(mode="json", exclude={"priority"})
+    for name in _FREE_TRAIN_FIELDS:
+        doc["train"].pop(name, None)
+    return _digest(doc)
+
+
+def topology_digest(topology: Topology) -> str:
+    return _digest(topology.model_dump(mode="json"))
+
+
+class Binding(_Model):
+    """What a plan was made for: a launch checks it before any process group exists."""
+
+    job_digest: str = Field(description="`job_digest` of the job the plan places")
+    topology_digest: str = Field(description="the topology the scheduler placed it on")
+    sites: list[str] = Field(description="the sites of that topology")
+
+    @classmethod
+    def of(cls, job: JobSpec, topology: Topology) -> Binding:
+        return cls(
+            job_digest=job_digest(job),
+            topology_digest=topology_digest(topology),
+            sites=[s.name for s in topology.sites],
+        )
+
+
 class Plan(_Model):
     job: str
+    binding: Binding | None = Field(
+        default=None, description="the job and topology it was made for (set by the scheduler)"
+    )
     objective: str = "wan_bytes"
     parallel: ParallelSpec
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
@@ -115,13 +161,44 @@ class Plan(_Model):
                 f"shards: need exactly one entry per (replica, stage) for dp={par.dp}, "
                 f"pp={par.pp}; got {len(got)} entries"
             )
+        held: dict[tuple[str, str, int], tuple[int, int]] = {}
         for s in self.shards:
             if len(s.gpus) != par.tp or len(set(s.gpus)) != par.tp:
                 raise ValueError(
                     f"shards: replica {s.replica} stage {s.stage} lists {s.gpus}, "
                     f"needs {par.tp} distinct GPUs (tp)"
                 )
+            for gpu in s.gpus:
+                other = held.setdefault((s.site, s.node, gpu), (s.replica, s.stage))
+                if other != (s.replica, s.stage):
+                    raise ValueError(
+                        f"shards: replica {s.replica} stage {s.stage} and replica {other[0]} "
+                        f"stage {other[1]} both use GPU {gpu} of {s.site}/{s.node}"
+                    )
+            if self.binding is not None and s.site not in self.binding.sites:
+                raise ValueError(
+                    f"shards: replica {s.replica} stage {s.stage} is on site {s.site!r}, "
+                    "which is not in the topology the plan was made for"
+                )
         return self
+
+    def digest(self) -> str:
+        """A fingerprint of the whole plan (checkpoints and launches name it)."""
+        return _digest(self.model_dump(mode="json"))
+
+    def problem_with(self, job: JobSpec) -> str | None:
+        """Why this plan cannot run `job`, as 'field: reason', or None."""
+        if self.job != job.name:
+            return f"job: the plan is for job {self.job!r}, the job file is {job.name!r}"
+        if self.binding is None:
+            return "binding: missing (make the plan with cpn plan, which binds it to its job)"
+        if self.binding.job_digest != job_digest(job):
+            return (
+                "binding.job_digest: the plan was made for another version of job "
+                f"{job.name!r} (model, batch, layout, compression or constraints differ); "
+                "plan it again"
+            )
+        return None
 
     def shard(self, replica: int, stage: int) -> ShardPlacement:
         for s in self.shards:

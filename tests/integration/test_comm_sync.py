@@ -7,7 +7,6 @@ Python processes with torch costs more than the checks themselves.
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cpn.comm import (
-    WanSyncError,
+    CommError,
     WanSyncState,
     build_site_groups,
     sync_gradients,
@@ -284,43 +283,46 @@ def _edge_cases(rank: int, world: int) -> dict[str, Any]:
     try:
         sync_gradients(state, [torch.ones(50)])
         out["stuck"] = "no error"
-    except WanSyncError as exc:
+    except CommError as exc:
         out["stuck"] = str(exc)
     out["stuck_seconds"] = time.monotonic() - t0
     return out
 
 
 def test_zero_gradients_and_a_stuck_peer() -> None:
-    results = run_ranks(_edge_cases, 3, timeout=120)
+    results = run_ranks(_edge_cases, 3)
     assert all(r["zeros_ok"] for r in results)
     for r in results[:2]:
-        assert "gradient sync failed" in r["stuck"]
+        assert "failed at step" in r["stuck"]
         assert r["stuck_seconds"] < 30
 
 
-def _dead_peer(rank: int, world: int) -> dict[str, Any]:
+def _dead_peer(rank: int, world: int) -> dict[str, Any] | None:
     state = WanSyncState(
         ["a", "b", "b"], compression="fp16", timeout=datetime.timedelta(seconds=10)
     )
     sync_gradients(state, [torch.ones(8)])
     if rank == 0:
-        os._exit(0)  # the leader of site a dies without a word
+        # The leader of site a goes away without a word: its connections close, as a dead
+        # process's would (a worker that really dies makes the launcher end every rank).
+        dist.destroy_process_group()
+        return None
     t0 = time.monotonic()
     try:
         sync_gradients(state, [torch.ones(1 << 16)])
         return {"error": "", "seconds": time.monotonic() - t0}
-    except WanSyncError as exc:
+    except CommError as exc:
         return {"error": str(exc), "seconds": time.monotonic() - t0}
 
 
 def test_a_dead_peer_is_a_clear_error() -> None:
-    results = run_ranks(_dead_peer, 3, timeout=120)
+    results = run_ranks(_dead_peer, 3)
     assert results[0] is None
     # Rank 1 leads site b and exchanges with the dead leader: it must see the error.
-    assert "gradient sync failed" in results[1]["error"]
+    assert "failed at step" in results[1]["error"]
     assert results[1]["seconds"] < 40
     # Rank 2 waits for rank 1's broadcast; rank 1 left with an error, so rank 2 fails too.
-    assert results[2] is None or "gradient sync failed" in results[2]["error"]
+    assert results[2] is None or "failed at step" in results[2]["error"]
 
 
 # -- the DDP comm hook ------------------------------------------------------------------
