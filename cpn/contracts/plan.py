@@ -12,10 +12,16 @@ data-parallel replica, then the pipeline stage, as in Megatron-LM:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpn.contracts.job import CompressionSpec, ParallelSpec
+from cpn.contracts.limits import INT32_MAX, MAX_GPUS_PER_NODE, Int32, Int64, Name
+
+#: Seconds, prices and solver figures: finite, never negative unless said otherwise.
+_Finite = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_GpuIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
 
 
 class _Model(BaseModel):
@@ -23,11 +29,13 @@ class _Model(BaseModel):
 
 
 class ShardPlacement(_Model):
-    replica: int = Field(ge=0)
-    stage: int = Field(ge=0)
-    site: str
-    node: str
-    gpus: list[int] = Field(min_length=1, description="GPU indices inside the node, tp of them")
+    replica: Int32
+    stage: Int32
+    site: Name
+    node: Name
+    gpus: list[_GpuIndex] = Field(
+        min_length=1, description="GPU indices inside the node, tp of them"
+    )
 
 
 class BytesPerIteration(_Model):
@@ -40,19 +48,19 @@ class BytesPerIteration(_Model):
     an intermediate site loads every link on its path, so the sum can exceed `wan`.
     """
 
-    intra_node: int = Field(ge=0)
-    intra_site: int = Field(ge=0)
-    wan: int = Field(ge=0)
-    wan_links: dict[str, int] = Field(default_factory=dict)
+    intra_node: Int64
+    intra_site: Int64
+    wan: Int64
+    wan_links: dict[str, Int64] = Field(default_factory=dict)
 
 
 class Breakdown(_Model):
     """Predicted seconds per iteration; the four add up to `predicted_iteration_seconds`."""
 
-    compute: float = Field(ge=0, description="micro-batches × compute of the slowest stage")
-    pipeline: float = Field(ge=0, description="micro-batches × its activation transfer")
-    dp_sync: float = Field(ge=0, description="exposed data-parallel gradient sync")
-    bubble: float = Field(ge=0, description="(pp − 1) pipeline fill and drain slots")
+    compute: _Finite = Field(description="micro-batches × compute of the slowest stage")
+    pipeline: _Finite = Field(description="micro-batches × its activation transfer")
+    dp_sync: _Finite = Field(description="exposed data-parallel gradient sync")
+    bubble: _Finite = Field(description="(pp − 1) pipeline fill and drain slots")
 
 
 class SolverReport(_Model):
@@ -96,12 +104,14 @@ class Plan(_Model):
     objective: str = "wan_bytes"
     parallel: ParallelSpec
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
-    micro_batches: int = Field(ge=1, description="micro-batches per replica per iteration")
+    micro_batches: int = Field(
+        ge=1, le=INT32_MAX, description="micro-batches per replica per iteration"
+    )
     shards: list[ShardPlacement]
     bytes_per_iteration: BytesPerIteration
-    predicted_iteration_seconds: float = Field(ge=0)
+    predicted_iteration_seconds: _Finite
     breakdown: Breakdown
-    price_per_hour: float = Field(ge=0)
+    price_per_hour: _Finite
     solver: SolverReport
     runners_up: list[Alternative] = Field(default_factory=list)
 
