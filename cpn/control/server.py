@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cpn.control.auth import BearerTokenInterceptor
 from cpn.control.dispatch import AssignmentDispatcher
+from cpn.control.handlers import add_agent_service
 from cpn.control.leases import LeaseTable, LiveLease
 from cpn.control.servicer import AgentServicer, ControlState
 from cpn.control.settings import ControlSettings
@@ -38,7 +39,7 @@ from cpn.registry.leases import (
     mark_lost,
 )
 from cpn.registry.models import utcnow
-from proto.cpn.v1 import agent_pb2, agent_pb2_grpc
+from proto.cpn.v1 import agent_pb2
 
 log = logging.getLogger("cpn.control")
 
@@ -85,7 +86,7 @@ class ControlServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.state), server)
+        add_agent_service(AgentServicer(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
