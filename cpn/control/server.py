@@ -144,6 +144,10 @@ class ControlServer:
         kind = assignment.WhichOneof("order") or "unknown"
         job_id = assignment.launch.job_id if kind == "launch" else assignment.stop.job_id
         message = f"{kind} order {assignment.order_id} for job {job_id} queued for {agent_id}"
+        data: dict[str, object] = {"order_id": assignment.order_id, "kind": kind}
+        if kind == "launch":
+            # What a task status from this agent may refer to (cpn.control.references).
+            data["ranks"] = [r.rank for r in assignment.launch.ranks if r.site == site]
 
         def write() -> None:
             with self.state.registry.write() as session:
@@ -154,7 +158,7 @@ class ControlServer:
                     site=site,
                     agent_id=agent_id,
                     job_id=job_id,
-                    data={"order_id": assignment.order_id, "kind": kind},
+                    data=data,
                 )
 
         task = asyncio.ensure_future(self.state.run_db(write))
