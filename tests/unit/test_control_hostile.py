@@ -152,28 +152,25 @@ def _refusal(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
 
 def test_hostile_values_are_named_and_nothing_is_stored(db_url: str) -> None:
     # Long leases and no background writes: any change in the database is the request's.
-    settings = dict(lease_ttl_s=600.0, flush_interval_s=3600.0, reaper_interval_s=3600.0)
-    with control_server(db_url, **settings) as srv:
+    quiet: dict[str, Any] = dict(
+        lease_ttl_s=600.0, flush_interval_s=3600.0, reaper_interval_s=3600.0
+    )
+    with control_server(db_url, **quiet) as srv:
         channel, client = stub(srv.server.port)
         lease = client.Register(_register(lambda r: None), metadata=auth("a"), timeout=10).lease_id
         plan = {"parallel": {"dp": 2, "tp": 1, "pp": 1}}
         with srv.registry.write() as s:
             create_job(s, "job-1", "job-1").plan = plan
         before = registry_digest(srv.registry)
-        cases: list[tuple[str, Callable[[], object], str]] = []
+        cases: list[tuple[str, Any, Any, str]] = []
         for case, (fields, expected) in HEARTBEATS.items():
-            req = _beat(lease, **fields)
-            cases.append((case, lambda q=req: client.Heartbeat(q, metadata=auth("a")), expected))
+            cases.append((case, client.Heartbeat, _beat(lease, **fields), expected))
         for case, (fields, expected) in REPORTS.items():
-            rep = _report(lease, **fields)
-            cases.append(
-                (case, lambda q=rep: client.ReportTaskStatus(q, metadata=auth("a")), expected)
-            )
+            cases.append((case, client.ReportTaskStatus, _report(lease, **fields), expected))
         for case, (mutate, expected) in REGISTRATIONS.items():
-            reg = _register(mutate)
-            cases.append((case, lambda q=reg: client.Register(q, metadata=auth("a")), expected))
-        for case, call, expected in cases:
-            code, details = _refusal(call)
+            cases.append((case, client.Register, _register(mutate), expected))
+        for case, rpc, request, expected in cases:
+            code, details = _refusal(lambda: rpc(request, metadata=auth("a"), timeout=10))  # noqa: B023
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (case, code, details[:200])
             assert details.startswith(expected), (case, details[:200])
             assert len(details.encode()) <= MAX_DETAILS_BYTES, case
@@ -203,15 +200,15 @@ def test_undecodable_bytes_get_invalid_argument(tmp_path: Path) -> None:
         valid = pb.RegisterRequest(site="a", agent_id="x").SerializeToString()
         invalid_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (site), 2 bytes that are not UTF-8
         for method in ("Register", "Heartbeat", "ReportTaskStatus"):
-            call = channel.unary_unary(f"/cpn.v1.AgentService/{method}")
+            call: Any = channel.unary_unary(f"/cpn.v1.AgentService/{method}")
             for raw in (invalid_utf8, valid[:-1]):
-                code, details = _refusal(lambda c=call, b=raw: c(b, metadata=auth("a"), timeout=10))
+                code, details = _refusal(lambda: call(raw, metadata=auth("a"), timeout=10))  # noqa: B023
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)
                 assert details.startswith("request: ") and "do not decode as cpn.v1." in details
-        watch = channel.unary_stream("/cpn.v1.AgentService/WatchAssignments")
+        watch: Any = channel.unary_stream("/cpn.v1.AgentService/WatchAssignments")
         code, _ = _refusal(lambda: next(watch(invalid_utf8, metadata=auth("a"), timeout=10)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-        beats = channel.stream_stream("/cpn.v1.AgentService/HeartbeatStream")
+        beats: Any = channel.stream_stream("/cpn.v1.AgentService/HeartbeatStream")
         code, _ = _refusal(
             lambda: list(beats(iter([invalid_utf8]), metadata=auth("a"), timeout=10))
         )
