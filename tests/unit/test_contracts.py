@@ -245,7 +245,7 @@ def test_reservations_and_plans_refuse_values_nothing_can_hold(tmp_path: Path) -
         "price_per_hour": 0,
         "solver": {"status": "OPTIMAL", "seconds": 0, "objective": 0, "bound": 0, "gap": 0},
     }
-    with pytest.raises(ValueError, match="bytes_per_iteration.wan"):
+    with pytest.raises(ValueError, match=r"bytes_per_iteration\.wan"):
         Plan.model_validate(plan)
     plan["bytes_per_iteration"]["wan"] = 0  # type: ignore[index]
     plan["shards"] = [{**shard, "site": "a\x00"}]

@@ -457,7 +457,8 @@ def test_task_status_is_stored_with_events_and_passed_on(sqlite_url: str) -> Non
             kinds = s.scalars(
                 select(Event.kind).where(Event.job_id == "job-1").order_by(Event.id)
             ).all()
-            assert kinds == ["order_queued", "task_state", "task_state"]  # running, succeeded: not every step
+            # running, succeeded: not every step
+            assert kinds == ["order_queued", "task_state", "task_state"]
         assert [r.state for r in seen] == [
             TaskState.RUNNING,
             TaskState.RUNNING,
