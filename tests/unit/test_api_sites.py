@@ -9,10 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import event, update
 
 from api import create_app
@@ -241,3 +244,38 @@ def test_reads_take_the_same_number_of_queries_whatever_the_size(registry: Regis
         "/v1/sites/site01/nodes": 4,
         "build_topology": 5,
     }
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    path=st.sampled_from(["/v1/sites", "/v1/sites/a/agents", "/v1/sites/a/nodes"]),
+    limit=st.one_of(st.none(), st.integers(), st.text(max_size=30)),
+    after=st.one_of(st.none(), st.text(max_size=300)),
+    site=st.one_of(st.just("a"), st.text(max_size=80)),
+)
+def test_any_query_gets_an_answer_never_a_500(
+    registry: Registry, path: str, limit: object, after: str | None, site: str
+) -> None:
+    register(registry, "a", nodes=(node("a0", gpus=2),))  # again: the same rows
+    params: dict[str, Any] = {}
+    if limit is not None:
+        params["limit"] = limit
+    if after is not None:
+        params["after"] = after
+    if path != "/v1/sites":
+        path = path.replace("/a/", f"/{quote(site, safe='')}/")
+    app = create_app(registry)
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://cpn") as client:
+            return await client.get(path, params=params)
+
+    reply = asyncio.run(call())
+    assert reply.status_code in {200, 404, 422}, (path, params, reply.text[:300])
+    if reply.status_code == 422:
+        assert {e["loc"][-1] for e in reply.json()["detail"]} <= {"limit", "after", "site"}
