@@ -14,12 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpn.contracts.job import CompressionSpec, JobSpec, ParallelSpec
+from cpn.contracts.limits import INT32_MAX, MAX_GPUS_PER_NODE, Int32, Int64, Name
 from cpn.contracts.topology import Topology
+
+#: Seconds, prices and solver figures: finite, never negative unless said otherwise.
+_Finite = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_GpuIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
 
 
 class _Model(BaseModel):
@@ -27,11 +32,13 @@ class _Model(BaseModel):
 
 
 class ShardPlacement(_Model):
-    replica: int = Field(ge=0)
-    stage: int = Field(ge=0)
-    site: str
-    node: str
-    gpus: list[int] = Field(min_length=1, description="GPU indices inside the node, tp of them")
+    replica: Int32
+    stage: Int32
+    site: Name
+    node: Name
+    gpus: list[_GpuIndex] = Field(
+        min_length=1, description="GPU indices inside the node, tp of them"
+    )
 
 
 class BytesPerIteration(_Model):
@@ -44,19 +51,19 @@ class BytesPerIteration(_Model):
     an intermediate site loads every link on its path, so the sum can exceed `wan`.
     """
 
-    intra_node: int = Field(ge=0)
-    intra_site: int = Field(ge=0)
-    wan: int = Field(ge=0)
-    wan_links: dict[str, int] = Field(default_factory=dict)
+    intra_node: Int64
+    intra_site: Int64
+    wan: Int64
+    wan_links: dict[str, Int64] = Field(default_factory=dict)
 
 
 class Breakdown(_Model):
     """Predicted seconds per iteration; the four add up to `predicted_iteration_seconds`."""
 
-    compute: float = Field(ge=0, description="micro-batches × compute of the slowest stage")
-    pipeline: float = Field(ge=0, description="micro-batches × its activation transfer")
-    dp_sync: float = Field(ge=0, description="exposed data-parallel gradient sync")
-    bubble: float = Field(ge=0, description="(pp − 1) pipeline fill and drain slots")
+    compute: _Finite = Field(description="micro-batches × compute of the slowest stage")
+    pipeline: _Finite = Field(description="micro-batches × its activation transfer")
+    dp_sync: _Finite = Field(description="exposed data-parallel gradient sync")
+    bubble: _Finite = Field(description="(pp − 1) pipeline fill and drain slots")
 
 
 class SolverReport(_Model):
@@ -121,9 +128,13 @@ def topology_digest(topology: Topology) -> str:
 class Binding(_Model):
     """What a plan was made for: a launch checks it before any process group exists."""
 
-    job_digest: str = Field(description="`job_digest` of the job the plan places")
-    topology_digest: str = Field(description="the topology the scheduler placed it on")
-    sites: list[str] = Field(description="the sites of that topology")
+    job_digest: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="`job_digest` of the job the plan places"
+    )
+    topology_digest: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="the topology the scheduler placed it on"
+    )
+    sites: list[Name] = Field(max_length=100_000, description="the sites of that topology")
 
     @classmethod
     def of(cls, job: JobSpec, topology: Topology) -> Binding:
@@ -142,12 +153,14 @@ class Plan(_Model):
     objective: str = "wan_bytes"
     parallel: ParallelSpec
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
-    micro_batches: int = Field(ge=1, description="micro-batches per replica per iteration")
+    micro_batches: int = Field(
+        ge=1, le=INT32_MAX, description="micro-batches per replica per iteration"
+    )
     shards: list[ShardPlacement]
     bytes_per_iteration: BytesPerIteration
-    predicted_iteration_seconds: float = Field(ge=0)
+    predicted_iteration_seconds: _Finite
     breakdown: Breakdown
-    price_per_hour: float = Field(ge=0)
+    price_per_hour: _Finite
     solver: SolverReport
     runners_up: list[Alternative] = Field(default_factory=list)
 
