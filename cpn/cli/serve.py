@@ -155,7 +155,7 @@ def serve(
     them); a flag given wins over the environment. Prints one line when ready: the gRPC and
     HTTP ports and the database.
     """
-    from cpn.control import ControlSettings, SiteTokens  # noqa: PLC0415
+    from cpn.control import SiteTokens  # noqa: PLC0415
     from cpn.registry import upgrade  # noqa: PLC0415
     from cpn.registry.db import normalize_url  # noqa: PLC0415
 
@@ -220,14 +220,23 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
     from api import create_app  # noqa: PLC0415
     from cpn.cli.http_server import HttpServer  # noqa: PLC0415
     from cpn.control import ControlServer  # noqa: PLC0415
+    from cpn.orchestration import JobService, ServiceMetrics  # noqa: PLC0415
+    from cpn.orchestration.loop import Orchestrator  # noqa: PLC0415
     from cpn.registry import Registry  # noqa: PLC0415
 
     registry = Registry(settings.database_url)
     control = ControlServer(settings, registry, tokens)
     await control.start()
-    config = uvicorn.Config(
-        create_app(registry), log_level="warning", access_log=False, lifespan="off"
-    )
+    metrics = ServiceMetrics(registry, heartbeats=lambda: control.state.heartbeats)
+    orchestrator = Orchestrator(control, registry, metrics)
+    await orchestrator.start()
+    service = JobService(registry, settings, wake=orchestrator.wake)
+
+    def ready() -> str | None:
+        return None if orchestrator.ticks > 0 else "the orchestration loop has not run yet"
+
+    app = create_app(registry, settings=settings, service=service, metrics=metrics, ready=ready)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     http = HttpServer(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -246,5 +255,6 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
         await http.serve(sockets=[http_sock])  # returns after SIGINT/SIGTERM
     finally:
         log.info("shutting down")
+        await orchestrator.stop()
         await control.stop()
         registry.dispose()
