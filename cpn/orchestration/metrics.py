@@ -46,9 +46,12 @@ class _RegistryCollector(Collector):
         beats = CounterMetricFamily("cpn_heartbeats", "Agent heartbeats received")
         beats.add_metric([], self.heartbeats())
         with self.registry.read() as session:
-            counts = dict(
-                session.execute(select(Job.state, func.count()).group_by(Job.state)).tuples()
-            )
+            counts = {
+                state: int(n)
+                for state, n in session.execute(
+                    select(Job.state, func.count()).group_by(Job.state)
+                ).tuples()
+            }
             for state in JobState:
                 jobs.add_metric([state.value], counts.get(state, 0))
             now = utcnow()
@@ -57,13 +60,17 @@ class _RegistryCollector(Collector):
             for link in session.scalars(select(WanLink)):
                 link_bw.add_metric([link.site.name, link.peer_site.name], link.bandwidth_gbps)
             per_link: dict[str, float] = {}
+            sums = (
+                select(JobStep.job_id, func.sum(JobStep.bytes_wan).label("sent"))
+                .group_by(JobStep.job_id)
+                .subquery()
+            )
             measured = session.execute(
-                select(Job.plan, func.sum(JobStep.bytes_wan))
-                .join(JobStep, JobStep.job_id == Job.id)
+                select(Job.plan, sums.c.sent)
+                .join(sums, sums.c.job_id == Job.id)
                 .where(Job.plan.is_not(None))
-                .group_by(Job.id, Job.plan)
             ).tuples()
-            for plan, sent in measured:
+            for plan, sent in list(measured):
                 links = (plan or {}).get("bytes_per_iteration", {}).get("wan_links", {})
                 total = sum(links.values())
                 for key, b in links.items():

@@ -53,7 +53,7 @@ def test_submit_trains_across_sites_and_succeeds(three_sites: Cluster, tmp_path:
     # Follow the logs while it runs (server-sent events that end with the job).
     followed: list[str] = []
     follower = threading.Thread(
-        target=lambda: followed.extend(l.line for l in client.follow_logs(job_id)), daemon=True
+        target=lambda: followed.extend(x.line for x in client.follow_logs(job_id)), daemon=True
     )
     follower.start()
     job = _wait_state(client, job_id, {"succeeded", "failed"}, 240)
