@@ -438,10 +438,17 @@ class Agent:
                 )
                 if update.loss is not None:
                     request.loss = update.loss
-                await self.stub.ReportTaskStatus(
-                    request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
-                )
-                if self._reports.get(key) is update:
+                self.workers.outbox.fill(request)  # new log lines and steps (agents/logs.py)
+                try:
+                    await self.stub.ReportTaskStatus(
+                        request, metadata=self.metadata, timeout=RPC_TIMEOUT_S
+                    )
+                except BaseException:
+                    self.workers.outbox.put_back(request)
+                    raise
+                if self.workers.outbox.pending(update.job_id, update.rank):
+                    self._reports_changed.set()  # more than one report's worth: go again
+                elif self._reports.get(key) is update:
                     del self._reports[key]
 
     def record_link(self, site: str, result: ProbeResult) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agents.logs import LogTail, Outbox
 from proto.cpn.v1 import agent_pb2 as pb
 
 log = logging.getLogger("cpn.agent")
@@ -96,6 +97,7 @@ class _Worker:
     status: _Tail
     metrics: _Tail
     last: TaskUpdate
+    log: LogTail
     stopping: bool = False
     monitor: asyncio.Task[None] | None = None
 
@@ -109,6 +111,8 @@ class WorkerManager:
     report: Callable[[TaskUpdate], None]
     real_gpus: bool = False
     stop_grace_s: float = 10.0
+    #: Where new log lines and per-step records wait for the next report (agents/logs.py).
+    outbox: Outbox = field(default_factory=Outbox)
     _jobs: dict[str, list[_Worker]] = field(default_factory=dict)
 
     def running(self, job_id: str) -> list[int]:
@@ -225,18 +229,22 @@ class WorkerManager:
             status=_Tail(status_file),
             metrics=_Tail(metrics_file),
             last=running,
+            log=LogTail(log_path),
         )
         worker.monitor = asyncio.create_task(self._monitor(worker), name=f"worker-{r.rank}")
         log.info("job %s rank %d started (pid %d): %s", order.job_id, r.rank, process.pid, argv)
         return worker
 
-    def _read_status(self, worker: _Worker) -> TaskUpdate | None:
+    def _read_status(self, worker: _Worker, final: bool = False) -> TaskUpdate | None:
         update = worker.last
-        for record in worker.metrics.read():
+        records = worker.metrics.read()
+        for record in records:
             update = _merge_metrics(update, record)
         for fields in worker.status.read():
             update = _merge(update, fields)
-        return update if update != worker.last else None
+        # New output and steps ride on the next report, even when the state is unchanged.
+        forwarded = self.outbox.collect(update.job_id, update.rank, records, worker.log.read(final))
+        return update if update != worker.last or forwarded else None
 
     async def _monitor(self, worker: _Worker) -> None:
         while worker.process.returncode is None:
@@ -247,7 +255,7 @@ class WorkerManager:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(worker.process.wait(), STATUS_POLL_S)
         code = worker.process.returncode
-        last = self._read_status(worker) or worker.last
+        last = self._read_status(worker, final=True) or worker.last
         if worker.stopping:
             final = replace(last, state=pb.TASK_STATE_STOPPED, exit_code=code)
         elif code == 0:

@@ -23,7 +23,7 @@ from grpc import aio
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from cpn.control import references, validation
+from cpn.control import references, task_output, validation
 from cpn.control.auth import authenticated_site
 from cpn.control.db_status import database_status
 from cpn.control.dispatch import AssignmentDispatcher
@@ -34,6 +34,7 @@ from cpn.control.tokens import SiteTokens
 from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
 from cpn.registry.inventory import AgentRegistration, NodeOwnedError, Registered, register_agent
+from cpn.registry.job_output import StepRecord, record_task_output
 from cpn.registry.models import Task, TaskState, utcnow
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
@@ -62,6 +63,8 @@ class TaskReport:
     checkpoint_id: str
     exit_code: int
     message: str
+    steps: tuple[StepRecord, ...] = ()
+    log_lines: tuple[str, ...] = ()
 
 
 @dataclass
@@ -77,6 +80,7 @@ class ControlState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="cpn-db")
     )
     task_listeners: list[Callable[[TaskReport], None]] = field(default_factory=list)
+    heartbeats: int = 0  # received since start (Prometheus /metrics)
 
     async def run_db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
@@ -212,6 +216,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         """One heartbeat, unary or on a stream: check it, renew the lease in memory."""
         _authorize(request.site)
         beat = validation.heartbeat_request(request, known_sites=self.s.tokens.settings)
+        self.s.heartbeats += 1
         lease = self._live_lease(request.site, request.agent_id, request.lease_id)
         validation.usage_references(request.gpus, lease.gpu_ids)
         self.s.leases.renew(lease, time.monotonic(), beat.health, request.gpus, beat.links)
@@ -262,6 +267,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             _authorize(request.site)
             state = validation.task_status_request(request)
+            steps = task_output.steps(request)
+            log_lines = task_output.log_lines(request)
             self._live_lease(request.site, request.agent_id, request.lease_id)
         except (InvalidField, _Denied) as exc:
             await _abort(context, exc)
@@ -279,6 +286,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             checkpoint_id=request.checkpoint_id,
             exit_code=request.exit_code,
             message=request.message,
+            steps=steps,
+            log_lines=log_lines,
         )
         try:
             await self.s.run_db(self._task_tx, report)
@@ -315,6 +324,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             task.exit_code = r.exit_code if r.state in _FINAL else None
             task.message = r.message
             task.updated_at = utcnow()
+            session.flush()
+            record_task_output(
+                session, task, r.steps, r.log_lines, keep_lines=self.s.settings.log_lines_kept
+            )
             if previous != r.state:
                 record_event(
                     session,

@@ -51,7 +51,8 @@ from cpn.scheduler import plan_job
 from tests.registry_factories import node, register
 
 TABLES = {
-    "sites", "agents", "leases", "nodes", "gpus", "rdma_nics", "wan_links", "jobs",
+    "sites", "agents", "leases", "nodes", "gpus", "rdma_nics", "wan_links", "jobs", "tenants",
+    "api_keys", "quotes", "rendezvous_ports", "job_log_lines", "job_steps",
     "allocations", "link_reservations", "tasks", "events",
 }  # fmt: skip
 
