@@ -3,9 +3,9 @@
 The agent already tails each worker's log file (`rank-R.log`) and metrics file; this
 module turns them into what ReportTaskStatus carries besides the state:
 
-- `LogTail` reads the new complete lines of a log file (and, once the worker has ended,
-  the last unterminated one), decoded as UTF-8 with replacement, each cut to
-  `MAX_LINE_BYTES`;
+- `new_lines` reads the new complete lines of a log file (and, once the worker has ended,
+  the last unterminated one) through a `FileTail`, decoded as UTF-8 with replacement,
+  each cut to `MAX_LINE_BYTES`;
 - `Outbox` keeps, per (job, rank), the lines and step records not yet delivered, bounded:
   while the control plane is out of reach the oldest lines are dropped and counted
   (`log_lines_dropped`), the steps are kept up to `MAX_PENDING_STEPS`. A report takes at
@@ -18,16 +18,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from cpn.train.tail import FileTail
 from proto.cpn.v1 import agent_pb2 as pb
 
 MAX_LINE_BYTES = 4096
 MAX_PER_REPORT = 1000
 MAX_PENDING_LINES = 10_000
 MAX_PENDING_STEPS = 100_000
-_READ_CHUNK = 1 << 20  # at most this much of a log per poll: a chatty worker cannot stall us
 
 
 def cut(line: bytes) -> str:
@@ -38,24 +37,9 @@ def cut(line: bytes) -> str:
     return text
 
 
-@dataclass
-class LogTail:
-    path: Path
-    offset: int = 0
-
-    def read(self, final: bool = False) -> list[str]:
-        """New complete lines; with `final`, also a last line without its newline."""
-        try:
-            with self.path.open("rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read(_READ_CHUNK)
-        except OSError:
-            return []
-        end = data.rfind(b"\n") + 1
-        if final and len(data) < _READ_CHUNK:
-            end = len(data)
-        self.offset += end
-        return [cut(line) for line in data[:end].splitlines()]
+def new_lines(tail: FileTail, final: bool = False) -> list[str]:
+    """A worker log's new lines as text, each cut to MAX_LINE_BYTES."""
+    return [cut(line) for line in tail.lines(final)]
 
 
 def step_message(record: dict[str, Any]) -> pb.StepMetrics | None:

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from cpn.client import CpnClient
+from cpn.client import ApiError, CpnClient
 from tests.processes import CPN, Proc, agent_argv, free_port, serve_argv, wait_until, write_tokens
-
-WORKER = "{python} -m cpn worker --plan {plan} --job {job} --rank {rank} --metrics {metrics}"
 
 
 def tiny_job(name: str = "tiny", *, dp: int = 2, pp: int = 2, steps: int = 6, **extra: object):
@@ -80,7 +78,7 @@ def cluster(
             agents[site] = Proc(
                 agent_argv(
                     site, grpc_port, tmp, "--virtual-gpus", str(n), "--gpu-memory-gb", "16",
-                    "--gpu-tflops", "10", "--worker-command", WORKER, "--probe-interval", "1",
+                    "--gpu-tflops", "10", "--probe-interval", "1",
                     "--probe-bytes", "65536",
                 ),
                 tmp / f"agent-{site}.log",
@@ -89,7 +87,10 @@ def cluster(
         with CpnClient(f"http://127.0.0.1:{http_port}", key) as admin:
 
             def ready() -> bool:
-                topo = admin.topology()
+                try:
+                    topo = admin.topology()
+                except ApiError:  # no live site yet
+                    return False
                 pairs = len(gpus) * (len(gpus) - 1) // 2
                 return len(topo.sites) == len(gpus) and len(topo.links) == pairs
 

@@ -257,15 +257,57 @@ def launch(
     timeout: TimeoutOpt = 300,
     device: DeviceOpt = None,
     sync_checkpoints: SyncCkptOpt = False,
+    command: Annotated[
+        str | None,
+        typer.Option(
+            help="Run this worker command instead of `cpn worker` (placeholders {python}, "
+            "{plan}, {job}, {metrics}); the plan and job are then passed on unchecked.",
+        ),
+    ] = None,
 ) -> None:
     """Run the workers of one node of a plan, with torch's elastic agent (site agents use
-    this). Writes WORKDIR/result.json at the end: {"ok": true} or the failed rank, its
-    exit status and the last lines of its log. Exit status 0, or 1 when a worker failed."""
-    from cpn.train.launcher import plan_launch  # noqa: PLC0415
+    this). Writes WORKDIR/result.json at the end: {"ok": true}, or every failed rank with
+    its exit status and why, and the last lines of the first one's log. Exit status 0, 1
+    when a worker failed, 128 + N when ended by signal N (every worker is ended too)."""
+    import shlex  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from cpn.errors import InputError  # noqa: PLC0415
+    from cpn.train.launcher import Launch, RunFiles, plan_launch  # noqa: PLC0415
     from cpn.train.trainer import check_launch  # noqa: PLC0415
 
-    spec_plan, spec_job = _load(plan, job)
     mine = _ranks(ranks)
+    where: dict[str, Any] = {
+        "run_id": run_id or "cpn",
+        "nnodes": nnodes,
+        "rdzv_endpoint": rdzv_endpoint,
+        "is_host": host,
+        "local_addr": local_addr,
+    }
+    if command is not None:
+        files = RunFiles(workdir.resolve())
+        try:
+            argv = shlex.split(
+                command.format(
+                    python=shlex.quote(sys.executable),
+                    plan=shlex.quote(str(plan.resolve())),
+                    job=shlex.quote(str(job.resolve())),
+                    metrics=shlex.quote(files.metrics_template),
+                )
+            )
+        except (KeyError, IndexError, ValueError) as exc:
+            raise InputError(
+                f"--command: {command!r}: placeholders are {{python}} {{plan}} {{job}} "
+                f"{{metrics}} ({exc})"
+            ) from None
+        if not argv:
+            raise InputError("--command: empty")
+        custom = Launch(
+            argv=argv[1:], entrypoint=argv[0], plan_ranks=mine, run_dir=files.root, **where
+        )
+        _run_and_report(custom, files.root / "result.json")
+        return
+    spec_plan, spec_job = _load(plan, job)
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
         device, sync_checkpoints,
@@ -273,11 +315,7 @@ def launch(
     world = spec_plan.parallel.world_size
     for r in mine:
         check_launch(spec_plan, spec_job, world, r, opts)
-    spec = plan_launch(
-        plan, job, opts, workdir, mine,
-        run_id=run_id or "cpn", nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, is_host=host,
-        local_addr=local_addr,
-    )  # fmt: skip
+    spec = plan_launch(plan, job, opts, workdir, mine, **where)
     _run_and_report(spec, spec.run_dir / "result.json")
 
 
@@ -292,8 +330,13 @@ def _run_and_report(spec: Any, result_path: Path | None, on_metrics: Any = None)
     try:
         run_launch(spec, on_metrics)
     except WorkerFailed as exc:
-        outcome = {"ok": False, "rank": exc.rank, "status": exc.status, "reason": exc.reason,
-                   "tail": exc.tail}  # fmt: skip
+        outcome = {
+            "ok": False,
+            "failures": [
+                {"rank": f.rank, "status": f.status, "reason": f.reason} for f in exc.failures
+            ],
+            "tail": exc.tail,
+        }
         raise
     except SignalException as exc:
         outcome = {"ok": False, "signal": int(exc.sigval)}

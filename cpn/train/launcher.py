@@ -24,7 +24,6 @@ needs on top:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -40,6 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from cpn.errors import CpnError
+from cpn.train.tail import FileTail
 
 if TYPE_CHECKING:
     from cpn.train.trainer import TrainOptions
@@ -54,14 +54,26 @@ TAIL_LINES = 20
 MetricsCallback = Callable[[int, dict[str, Any]], None]
 
 
+@dataclass(frozen=True)
+class Failure:
+    """One worker that exited with an error: its plan rank, status and why."""
+
+    rank: int
+    status: int
+    reason: str
+
+
 class WorkerFailed(CpnError):
-    """A worker exited with an error; the message names it and carries its last lines."""
+    """Workers exited with an error; the message names the first (the root cause) and
+    carries the last lines of its log. `failures` lists every worker that failed."""
 
     exit_code = 1
 
-    def __init__(self, rank: int, status: int, reason: str, tail: list[str]) -> None:
-        self.rank, self.status, self.reason, self.tail = rank, status, reason, tail
-        super().__init__(f"worker {rank} exited with status {status}: {reason}")
+    def __init__(self, failures: list[Failure], tail: list[str]) -> None:
+        first = failures[0]
+        self.failures, self.tail = failures, tail
+        self.rank, self.status, self.reason = first.rank, first.status, first.reason
+        super().__init__(f"worker {first.rank} exited with status {first.status}: {first.reason}")
 
 
 @dataclass(frozen=True)
@@ -120,7 +132,7 @@ class _PlanRankLogs(LogsSpecs):
 class Launch:
     """What one launcher (one node of the run) starts."""
 
-    argv: Sequence[str]  # the worker command after the Python interpreter
+    argv: Sequence[str]  # the worker command's arguments
     plan_ranks: Sequence[int]  # plan ranks of this node's workers, in local-rank order
     run_dir: Path
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -130,6 +142,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the workers
     rdzv_timeout_s: float = 300.0  # how long to wait for the other nodes to join
     local_addr: str | None = None  # the address other nodes reach this one on
+    entrypoint: str = sys.executable  # the program each worker runs (with `argv`)
 
     @property
     def files(self) -> RunFiles:
@@ -161,12 +174,12 @@ def _environment(extra: dict[str, str]) -> Iterator[None]:
 
 
 class _MetricsTail(threading.Thread):
-    """Reads each rank's metrics file as it grows (only new bytes), calling back per record."""
+    """Follows each rank's metrics file as it grows, calling back per record."""
 
     def __init__(self, files: RunFiles, ranks: Sequence[int], callback: MetricsCallback) -> None:
         super().__init__(name="cpn-metrics-tail", daemon=True)
-        self.files, self.ranks, self.callback = files, list(ranks), callback
-        self.offsets = dict.fromkeys(self.ranks, 0)
+        self.tails = {rank: FileTail(files.metrics(rank)) for rank in ranks}
+        self.callback = callback
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -175,30 +188,9 @@ class _MetricsTail(threading.Thread):
         self.poll()
 
     def poll(self) -> None:
-        for rank in self.ranks:
-            for record in read_new_records(self.files.metrics(rank), self.offsets, rank):
+        for rank, tail in self.tails.items():
+            for record in tail.records():
                 self.callback(rank, record)
-
-
-def read_new_records(path: Path, offsets: dict[int, int], key: int) -> list[dict[str, Any]]:
-    """Complete JSON lines appended to `path` since `offsets[key]` (which it advances)."""
-    try:
-        with path.open("rb") as fh:
-            fh.seek(offsets.get(key, 0))
-            data = fh.read()
-    except OSError:
-        return []
-    end = data.rfind(b"\n")
-    if end < 0:
-        return []  # a line still being written
-    offsets[key] = offsets.get(key, 0) + end + 1
-    out = []
-    for line in data[: end + 1].splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                out.append(record)
-    return out
 
 
 def worker_argv(plan: Path, job: Path, opts: TrainOptions, metrics: str) -> list[str]:
@@ -299,7 +291,7 @@ def run(launch: Launch, on_metrics: MetricsCallback | None = None) -> None:
         tail.start()
     try:
         with _environment(worker_env(launch)):
-            elastic_launch(_config(launch), sys.executable)(*launch.argv)
+            elastic_launch(_config(launch), launch.entrypoint)(*launch.argv)
     except ChildFailedError as exc:
         raise _failure(exc, launch) from None
     finally:
@@ -340,12 +332,20 @@ def run_function(fn: Callable[..., Any], world: int, *args: Any, run_dir: Path) 
 
 
 def _failure(exc: ChildFailedError, launch: Launch) -> WorkerFailed:
-    """The first failure (the root cause, by torch's timestamps) as a `WorkerFailed`."""
-    failure = min(exc.failures.values(), key=lambda f: (f.timestamp, f.local_rank))
-    rank = launch.plan_ranks[failure.local_rank]
-    tail = launch.files.tail(rank)
-    reason = _reason(failure.message, tail)
-    return WorkerFailed(rank, failure.exitcode, reason, tail)
+    """Every worker that failed by itself, the root cause (by torch's timestamps) first.
+
+    Once one worker fails, torch's agent ends the others with a signal and lists them as
+    failures too; those (killed by a signal after the root cause) are not failures of
+    their own and are left out."""
+    ordered = sorted(exc.failures.values(), key=lambda f: (f.timestamp, f.local_rank))
+    root = ordered[0]
+    failures = []
+    for f in ordered:
+        if f is not root and f.exitcode < 0:
+            continue  # ended by the agent's shutdown
+        rank = launch.plan_ranks[f.local_rank]
+        failures.append(Failure(rank, f.exitcode, _reason(f.message, launch.files.tail(rank))))
+    return WorkerFailed(failures, launch.files.tail(failures[0].rank))
 
 
 def _reason(message: str, tail: list[str]) -> str:
