@@ -132,6 +132,24 @@ class CheckpointStore:
         except (OSError, ValueError, TypeError) as exc:
             raise InputError(f"checkpoint {path}: unreadable ({exc})") from None
 
+    def check_files(self, step: int) -> None:
+        """Every data file the index names is there and long enough (a copy cut short,
+        a file lost on the way): a one-line error naming the file, before any worker."""
+        metadata = self.metadata(step)
+        needed: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            path = getattr(info, "relative_path", None)
+            if isinstance(path, str):
+                end = int(info.offset) + int(info.length)
+                needed[path] = max(needed.get(path, 0), end)
+        for name, end in sorted(needed.items()):
+            path = f"{self.step_path(step)}/{name}"
+            size = _size(self.fs, path)
+            if size is None:
+                raise InputError(f"checkpoint {path}: missing (an incomplete copy?)")
+            if size < end:
+                raise InputError(f"checkpoint {path}: truncated ({size} bytes, {end} expected)")
+
     def metadata(self, step: int) -> Metadata:
         """The tensor index torch.distributed.checkpoint wrote (names, shapes, offsets)."""
         path = f"{self.step_path(step)}/.metadata"
@@ -142,6 +160,13 @@ class CheckpointStore:
         except Exception as exc:  # unpickling garbage raises anything; name the file
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise InputError(f"checkpoint {path}: corrupt ({first})") from None
+
+
+def _size(fs: Any, path: str) -> int | None:
+    try:
+        return int(fs.size(path))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def check_resumable(store: CheckpointStore, job: JobSpec) -> int:
@@ -155,7 +180,7 @@ def check_resumable(store: CheckpointStore, job: JobSpec) -> int:
             f"checkpoint {store.step_path(step)}/{INFO}: written for another model "
             f"({_model_text(info.model)}), this job trains {_model_text(job.model.model_dump())}"
         )
-    store.metadata(step)  # readable, or a one-line error naming it
+    store.check_files(step)
     return step
 
 
