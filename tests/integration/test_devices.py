@@ -12,8 +12,8 @@ their input and are fine by construction.
 from __future__ import annotations
 
 import sys
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
