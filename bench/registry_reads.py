@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,7 @@ from cpn.registry.models import (
     Site,
     WanLink,
 )
+from tests.processes import free_port  # the one probe for a free port
 
 PG_ADMIN = os.environ.get("CPN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 GPUS_PER_NODE = 8
@@ -344,15 +344,9 @@ def baseline_topology(session: Session) -> int:
 # ---------------------------------------------------------------------------- measuring
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def http_server(registry: Registry) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(registry), host="127.0.0.1", port=port, log_level="warning")
     )

@@ -126,21 +126,6 @@ def _options(
     )
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to kill this worker when its launcher dies, even by SIGKILL (Linux)."""
-    import ctypes  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os._exit(1)
-
-
 def _plan_rank(explicit: int | None) -> int:
     """--rank, else this worker's entry in the launcher's plan ranks, else $RANK."""
     from cpn.errors import InputError  # noqa: PLC0415
@@ -199,7 +184,6 @@ def worker(
 
     if os.environ.get(MERGE_OUTPUT_ENV) == "1":
         os.dup2(2, 1)  # print() and log lines in one file, in order
-    _die_with_parent()
     spec_plan, spec_job = _load(plan, job)
     world, _ = world_from_env()
     me = _plan_rank(rank)
@@ -323,28 +307,26 @@ def _run_and_report(spec: Any, result_path: Path | None, on_metrics: Any = None)
     """Run a launch; write its outcome; turn a signal into the conventional exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
 
-    from cpn.train.launcher import WorkerFailed  # noqa: PLC0415
+    from cpn.train.launcher import WorkerFailed, outcome  # noqa: PLC0415
     from cpn.train.launcher import run as run_launch  # noqa: PLC0415
 
-    outcome: dict[str, Any] = {"ok": True}
+    import logging  # noqa: PLC0415
+
+    # torch's agent narrates every shutdown at WARNING; the outcome is said once, below.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    result: dict[str, Any] = outcome(None)
     try:
         run_launch(spec, on_metrics)
     except WorkerFailed as exc:
-        outcome = {
-            "ok": False,
-            "failures": [
-                {"rank": f.rank, "status": f.status, "reason": f.reason} for f in exc.failures
-            ],
-            "tail": exc.tail,
-        }
+        result = outcome(exc)
         raise
     except SignalException as exc:
-        outcome = {"ok": False, "signal": int(exc.sigval)}
+        result = {"ok": False, "signal": int(exc.sigval)}
         typer.echo(f"stopped by {signal.Signals(exc.sigval).name}; every worker ended", err=True)
         raise typer.Exit(128 + int(exc.sigval)) from None
     finally:
         if result_path is not None:
-            result_path.write_text(json.dumps(outcome) + "\n")
+            result_path.write_text(json.dumps(result) + "\n")
 
 
 @app.command()

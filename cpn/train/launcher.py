@@ -17,14 +17,19 @@ needs on top:
     metrics), read incrementally while the run goes on;
   - a failure as one `WorkerFailed` naming the plan rank, its exit status and the last
     lines of its log;
-  - workers die with their launcher (`PR_SET_PDEATHSIG` in `cpn worker`), so not even a
-    SIGKILL of the launcher leaves one behind.
+  - workers die with their launcher (`cpn.train.guard`: `PR_SET_PDEATHSIG`), so not even
+    a SIGKILL of the launcher leaves one behind.
+
+`python -m cpn.train.launcher SPEC.json` runs a `Launch` written as JSON (what a
+benchmark starts inside a site's network namespace) and writes `result.json` beside the
+workers' files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import uuid
@@ -291,7 +296,8 @@ def run(launch: Launch, on_metrics: MetricsCallback | None = None) -> None:
         tail.start()
     try:
         with _environment(worker_env(launch)):
-            elastic_launch(_config(launch), launch.entrypoint)(*launch.argv)
+            guarded = ("-m", "cpn.train.guard", launch.entrypoint, *launch.argv)
+            elastic_launch(_config(launch), sys.executable)(*guarded)
     except ChildFailedError as exc:
         raise _failure(exc, launch) from None
     finally:
@@ -331,18 +337,22 @@ def run_function(fn: Callable[..., Any], world: int, *args: Any, run_dir: Path) 
     return [results[r] for r in range(world)]
 
 
-def _failure(exc: ChildFailedError, launch: Launch) -> WorkerFailed:
-    """Every worker that failed by itself, the root cause (by torch's timestamps) first.
+#: How torch's agent ends the other workers once one has failed.
+_SHUTDOWN_STATUS = -int(signal.SIGTERM)
 
-    Once one worker fails, torch's agent ends the others with a signal and lists them as
-    failures too; those (killed by a signal after the root cause) are not failures of
-    their own and are left out."""
-    ordered = sorted(exc.failures.values(), key=lambda f: (f.timestamp, f.local_rank))
-    root = ordered[0]
+
+def _failure(exc: ChildFailedError, launch: Launch) -> WorkerFailed:
+    """Every worker that failed by itself, the root cause first.
+
+    Once one worker fails, torch's agent ends the others with SIGTERM and lists them as
+    failures too: those are not failures of their own and are left out (unless every
+    failure is one, when the earliest stands). torch's timestamps have a resolution of a
+    second, so among the rest the root cause is the earliest, then the lowest rank."""
+    every = list(exc.failures.values())
+    own = [f for f in every if f.exitcode != _SHUTDOWN_STATUS] or every
+    own.sort(key=lambda f: (f.timestamp, f.local_rank))
     failures = []
-    for f in ordered:
-        if f is not root and f.exitcode < 0:
-            continue  # ended by the agent's shutdown
+    for f in own:
         rank = launch.plan_ranks[f.local_rank]
         failures.append(Failure(rank, f.exitcode, _reason(f.message, launch.files.tail(rank))))
     return WorkerFailed(failures, launch.files.tail(failures[0].rank))
@@ -356,3 +366,37 @@ def _reason(message: str, tail: list[str]) -> str:
     if message and not message.startswith("To enable traceback"):
         return message.splitlines()[0]
     return tail[-1] if tail else "(no output)"
+
+
+def outcome(error: WorkerFailed | None) -> dict[str, Any]:
+    """What `result.json` says: ok, or every failed rank and the first one's last lines."""
+    if error is None:
+        return {"ok": True}
+    return {
+        "ok": False,
+        "failures": [
+            {"rank": f.rank, "status": f.status, "reason": f.reason} for f in error.failures
+        ],
+        "tail": error.tail,
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Run the `Launch` in the JSON file argv[1]; 0, or 1 when a worker failed."""
+    import json  # noqa: PLC0415
+
+    doc = json.loads(Path(argv[1]).read_text())
+    launch = Launch(**{**doc, "run_dir": Path(doc["run_dir"])})
+    error: WorkerFailed | None = None
+    try:
+        run(launch)
+    except WorkerFailed as exc:
+        error = exc
+        print(f"error: {exc}", file=sys.stderr)
+    finally:
+        (launch.run_dir / "result.json").write_text(json.dumps(outcome(error)) + "\n")
+    return 0 if error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

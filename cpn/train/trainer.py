@@ -304,6 +304,7 @@ class Trainer:
                     "replica": me.replica,
                     "tp_index": me.tp_index,
                     "site": me.site,
+                    "device": str(self.device),
                     "loss": loss,
                     "skipped": skipped,
                     "tokens": len(batches) * job.train.micro_batch * job.model.seq_len,

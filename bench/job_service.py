@@ -2,9 +2,9 @@
 clients, and submit-to-SCHEDULED latency for a job on 8 sites, on SQLite and PostgreSQL,
 against a real `cpn serve` process over HTTP.
 
-    .venv/bin/python bench/api.py                       # both backends, defaults
-    .venv/bin/python bench/api.py --backend sqlite --clients 16 --seconds 10
-    .venv/bin/python bench/api.py --json
+    .venv/bin/python bench/job_service.py                       # both backends, defaults
+    .venv/bin/python bench/job_service.py --backend sqlite --clients 16 --seconds 10
+    .venv/bin/python bench/job_service.py --json
 
 For each backend: `cpn serve` on a fresh database; 8 sites of 8 virtual GPUs registered
 over gRPC (and kept alive with heartbeats) by a helper thread, with WAN links measured;
@@ -46,6 +46,7 @@ from rich.table import Table
 
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
+from tests.processes import free_port  # the one probe for a free port
 
 PG_ADMIN = os.environ.get("CPN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 CPN = [sys.executable, "-m", "cpn"]
@@ -61,14 +62,6 @@ def _job(name: str, dp: int) -> dict[str, Any]:
         "parallel": {"dp": dp, "tp": 1, "pp": 2},
         "compression": {"wan": "topk", "density": 0.01},
     }
-
-
-def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Agents(threading.Thread):
@@ -127,7 +120,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
         url = PG_ADMIN.rsplit("/", 1)[0] + f"/{pg_name}"
     tokens = tmp / "tokens.yaml"
     tokens.write_text("".join(f"s{i}: token-s{i}\n" for i in range(SITES)))
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     log = (tmp / "serve.log").open("w")
     serve = subprocess.Popen(
         [*CPN, "serve", "--database-url", url, "--site-tokens", str(tokens), "--host",
