@@ -8,10 +8,8 @@ from pathlib import Path
 from agents.discovery.gpus import VirtualGpus
 from agents.discovery.rdma import DEFAULT_SYSFS_ROOT
 
-#: The runtime's worker (cpn/train), reporting its steps through `--metrics`.
-DEFAULT_WORKER_COMMAND = (
-    "{python} -m cpn worker --plan {plan} --job {job} --rank {rank} --metrics {metrics}"
-)
+#: Placeholders a custom worker command may use (`cpn launch --command`).
+WORKER_PLACEHOLDERS = ("python", "plan", "job", "metrics")
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,8 @@ class AgentConfig:
     advertise_host: str | None = None  # None: the address that routes to the control plane
     probe_interval_s: float = 30.0
     probe_bytes: int = 4 * 1024 * 1024
-    worker_command: str = DEFAULT_WORKER_COMMAND
+    #: None: the runtime's `cpn worker`; else a command with WORKER_PLACEHOLDERS in it.
+    worker_command: str | None = None
     work_dir: Path = Path("cpn-agent-work")
     stop_grace_s: float = 10.0
     max_backoff_s: float = 30.0

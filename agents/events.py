@@ -1,7 +1,8 @@
 """The agent's periodic work, as small event classes with their own interval (the way
-SkyPilot's skylet organises its node agent). `run_events` runs each in its own loop; an
-event whose failure means the session with the control plane is over re-raises, the others
-log and carry on.
+SkyPilot's skylet organises its node agent). Each event is given only what it needs — a
+function to call, a store to fill — never the agent itself. `run_events` runs each in its
+own loop; an event whose failure means the session with the control plane is over
+re-raises, the others log and carry on.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
+from agents.links import LinkBook
 from agents.probe import ProbeResult, measure
-
-if TYPE_CHECKING:
-    from agents.agent import Agent
+from proto.cpn.v1 import agent_pb2 as pb
 
 log = logging.getLogger("cpn.agent")
+
+Interval = Callable[[], float]
 
 
 class PeriodicEvent(ABC):
@@ -29,27 +32,37 @@ class PeriodicEvent(ABC):
     min_gap_s = 1.0
 
     @abstractmethod
-    def interval_s(self, agent: Agent) -> float: ...
+    def interval_s(self) -> float: ...
 
     @abstractmethod
-    async def run(self, agent: Agent) -> None: ...
+    async def run(self) -> None: ...
 
-    def wakeup(self, agent: Agent) -> asyncio.Event | None:
+    def wakeup(self) -> asyncio.Event | None:
         """An event that, when set, runs this one before its interval is up."""
         return None
 
 
 class HeartbeatEvent(PeriodicEvent):
-    """Renew the lease at the pace the control plane asked for, with utilisation, health
-    and the newest WAN measurements."""
+    """Renew the lease at the pace the control plane asked for."""
 
     fatal = True
 
-    def interval_s(self, agent: Agent) -> float:
-        return agent.heartbeat_interval_s
+    def __init__(self, beat: Callable[[], Awaitable[None]], interval: Interval) -> None:
+        self._beat, self._interval = beat, interval
 
-    async def run(self, agent: Agent) -> None:
-        await agent.heartbeat()
+    def interval_s(self) -> float:
+        return self._interval()
+
+    async def run(self) -> None:
+        await self._beat()
+
+
+@dataclass
+class Peers:
+    """What the probe needs to know of the control plane's peer list."""
+
+    current: Callable[[], list[pb.Peer]]
+    changed: asyncio.Event
 
 
 class ProbeEvent(PeriodicEvent):
@@ -58,35 +71,47 @@ class ProbeEvent(PeriodicEvent):
     Each site is probed at most once per interval; a site that appears in the peer list
     (the control plane announced a new agent) is probed right away."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, site: str, peers: Peers, links: LinkBook, interval_s: float, probe_bytes: int
+    ) -> None:
+        self.site, self.peers, self.links = site, peers, links
+        self._interval_s, self.probe_bytes = interval_s, probe_bytes
         self._probed: dict[str, float] = {}  # site → monotonic time of the last probe
 
-    def interval_s(self, agent: Agent) -> float:
-        return agent.config.probe_interval_s
+    def interval_s(self) -> float:
+        return self._interval_s
 
-    def wakeup(self, agent: Agent) -> asyncio.Event | None:
-        return agent.peers_changed
+    def wakeup(self) -> asyncio.Event | None:
+        return self.peers.changed
 
-    async def run(self, agent: Agent) -> None:
+    async def run(self) -> None:
         by_site: dict[str, str] = {}
-        for peer in sorted(agent.peers, key=lambda p: (p.site, p.agent_id)):
-            if peer.site != agent.config.site and peer.probe_address:
+        for peer in sorted(self.peers.current(), key=lambda p: (p.site, p.agent_id)):
+            if peer.site != self.site and peer.probe_address:
                 by_site.setdefault(peer.site, peer.probe_address)
         now = time.monotonic()
-        interval = self.interval_s(agent)
         for site, address in by_site.items():
-            if now - self._probed.get(site, -math.inf) < interval * 0.9:
+            if now - self._probed.get(site, -math.inf) < self._interval_s * 0.9:
                 continue  # measured recently: a peer-list change is no reason to redo it
             self._probed[site] = now
             try:
-                result: ProbeResult = await measure(
-                    address, transfer_bytes=agent.config.probe_bytes
-                )
+                result: ProbeResult = await measure(address, transfer_bytes=self.probe_bytes)
             except (OSError, TimeoutError, ConnectionError, ValueError) as exc:
                 log.warning("probe to %s (%s) failed: %s", site, address, exc)
                 continue
-            agent.record_link(site, result)
+            self.links.record(site, result)
             log.debug("probe %s: %.2f ms, %.2f Gb/s", site, result.rtt_ms, result.bandwidth_gbps)
+
+
+@dataclass
+class HealthState:
+    """The node's health as heartbeats report it."""
+
+    health: pb.Health.ValueType = pb.HEALTH_OK
+
+    @property
+    def name(self) -> str:
+        return pb.Health.Name(self.health).removeprefix("HEALTH_").lower()
 
 
 class HealthEvent(PeriodicEvent):
@@ -94,46 +119,46 @@ class HealthEvent(PeriodicEvent):
     no longer, FAILING when GPUs have disappeared (a fallen-off-the-bus GPU, a driver
     reset). Cheap: sysfs reads, and a GPU query only where a real GPU source exists."""
 
-    def __init__(self, interval_s: float = 15.0) -> None:
-        self._interval_s = interval_s
+    def __init__(
+        self,
+        check: Callable[[], tuple[pb.Health.ValueType, str]],
+        state: HealthState,
+        interval_s: float = 15.0,
+    ) -> None:
+        self.check, self.state, self._interval_s = check, state, interval_s
 
-    def interval_s(self, agent: Agent) -> float:
+    def interval_s(self) -> float:
         return self._interval_s
 
-    async def run(self, agent: Agent) -> None:
-        health, reason = await asyncio.to_thread(agent.check_health)
-        if health != agent.health:
+    async def run(self) -> None:
+        health, reason = await asyncio.to_thread(self.check)
+        if health != self.state.health:
+            new = HealthState(health)
             log.warning(
-                "health %s -> %s%s",
-                agent.health_name,
-                _NAMES[health],
-                f": {reason}" if reason else "",
+                "health %s -> %s%s", self.state.name, new.name, f": {reason}" if reason else ""
             )
-            agent.health = health
+            self.state.health = health
 
 
-_NAMES = {1: "ok", 2: "degraded", 3: "failing"}
-
-
-async def run_events(agent: Agent, events: list[PeriodicEvent]) -> None:
+async def run_events(events: list[PeriodicEvent]) -> None:
     """Run every event in its own loop until a fatal one fails (its error propagates)."""
 
     async def loop(event: PeriodicEvent) -> None:
         while True:
             started = time.monotonic()
             try:
-                await event.run(agent)
+                await event.run()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 if event.fatal:
                     raise
                 log.exception(
-                    "%s failed; next try in %.1f s", type(event).__name__, event.interval_s(agent)
+                    "%s failed; next try in %.1f s", type(event).__name__, event.interval_s()
                 )
             elapsed = time.monotonic() - started
-            remaining = max(0.0, event.interval_s(agent) - elapsed)
-            wake = event.wakeup(agent)
+            remaining = max(0.0, event.interval_s() - elapsed)
+            wake = event.wakeup()
             if wake is None:
                 await asyncio.sleep(remaining)
                 continue

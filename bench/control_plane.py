@@ -30,7 +30,6 @@ import json
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from rich.table import Table
 
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
+from tests.processes import free_port  # the one probe for a free port
 
 PG_ADMIN = os.environ.get("CPN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 SITES = 8
@@ -226,12 +226,6 @@ def _client_process(
 # ---------------------------------------------------------------------------- server side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _process_cpu_s(pid: int) -> float:
     """User + system CPU seconds a process has used (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -275,7 +269,7 @@ def run(args: argparse.Namespace, backend: str) -> Result:
         url = f"sqlite:///{tmp}/bench.db"
     else:
         pg_name, url = _pg_create()
-    port = _free_port()
+    port = free_port()
     interval = args.agents / args.rate
     server = _start_server(url, tokens, port, interval)
     windows: list[Window] = []

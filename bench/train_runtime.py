@@ -31,7 +31,9 @@ from rich.table import Table
 
 from cpn.contracts import JobSpec, Topology
 from cpn.scheduler import SolverSettings, plan_job
-from cpn.train.launch import launch_local
+from cpn.train.launcher import train_local
+from cpn.train.report import StepSummary, summarise
+from cpn.train.trainer import TrainOptions
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
 WARMUP = 2
@@ -65,7 +67,7 @@ def job_doc(dp: int, tp: int, pp: int, steps: int) -> dict[str, object]:
     }
 
 
-def run_layout(root: Path, dp: int, tp: int, pp: int, steps: int) -> list:  # type: ignore[type-arg]
+def run_layout(root: Path, dp: int, tp: int, pp: int, steps: int) -> list[StepSummary]:
     topo = Topology.model_validate(
         {
             "sites": [
@@ -91,7 +93,8 @@ def run_layout(root: Path, dp: int, tp: int, pp: int, steps: int) -> list:  # ty
     d.mkdir()
     (d / "job.yaml").write_text(yaml.safe_dump(doc))
     (d / "plan.json").write_text(plan.model_dump_json())
-    return launch_local(d / "plan.json", d / "job.yaml", d / "work", [])
+    records = train_local(d / "plan.json", d / "job.yaml", TrainOptions(), d / "work", dp * tp * pp)
+    return summarise(records)
 
 
 def main() -> None:

@@ -57,7 +57,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -170,8 +169,12 @@ def _read_tx() -> int:
     return int(Path("/sys/class/net/wan0/statistics/tx_bytes").read_text())
 
 
-def worker(spec_path: Path, rank: int) -> None:
-    """One rank: train `spec["steps"]` steps, write what it measured to rank-<r>.json."""
+def worker(spec_path: Path) -> None:
+    """One rank: train `spec["steps"]` steps, write what it measured to rank-<r>.json.
+
+    Started by the runtime's launcher: its rank is its entry in CPN_PLAN_RANKS."""
+    ranks = [int(r) for r in os.environ["CPN_PLAN_RANKS"].split(",")]
+    rank = ranks[int(os.environ["LOCAL_RANK"])]
     spec = json.loads(spec_path.read_text())
     setup = Setup(**spec["setup"])
     cfg = SyncConfig(**spec["config"])
@@ -294,12 +297,6 @@ class RankFailed(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Run:
     """What the six ranks of one run reported."""
@@ -329,6 +326,10 @@ class Run:
         return sum(tx) if tx else None
 
 
+#: The rendezvous port in site a's namespace (namespaces have ports of their own).
+RDZV_PORT = 29400
+
+
 def launch(
     config: SyncConfig,
     setup: Setup,
@@ -338,10 +339,11 @@ def launch(
     workdir: Path,
     on_step: Callable[[int], None] | None = None,
 ) -> Run:
-    """Start the six ranks (in their site namespaces when `wan` is given) and wait."""
+    """Start the six ranks through the runtime's launcher and wait: one launcher per site,
+    inside its network namespace, meeting at site a's rendezvous when `wan` is given;
+    else one launcher for all six on loopback (the sites are then labels only)."""
     workdir.mkdir(parents=True)
     sites = site_of_rank()
-    timeout_s = 300.0
     spec = {
         "setup": asdict(setup),
         "config": asdict(config),
@@ -350,36 +352,48 @@ def launch(
         "out": str(workdir),
         "site_of_rank": sites,
         "emulated": wan is not None,
-        "timeout_s": timeout_s,
+        "timeout_s": 300.0,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    env.update(
-        MASTER_ADDR=wan.address(0) if wan is not None else "127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(len(sites)),
-        GLOO_SOCKET_IFNAME=wan.interface if wan is not None else "lo",
-        OMP_NUM_THREADS="1",
+    env = {"GLOO_SOCKET_IFNAME": wan.interface if wan is not None else "lo"}
+    argv = [str(Path(__file__).resolve()), "--worker", str(spec_path)]
+    groups = (
+        [[r for r, s in enumerate(sites) if s == site] for site in SITES]
+        if wan is not None
+        else [list(range(len(sites)))]
     )
     procs: list[subprocess.Popen[bytes]] = []
-    logs = []
     began = time.monotonic()
     # Generous: a rank that dies or hangs is reported, never waited on for ever.
     deadline = began + 120 + steps * 30
     done_steps = 0
     try:
-        for rank, site in enumerate(sites):
-            log = (workdir / f"rank-{rank}.log").open("wb")
-            logs.append(log)
-            prefix = wan.prefix(SITES.index(site)) if wan is not None else []
-            cmd = [*prefix, sys.executable, str(Path(__file__).resolve())]
-            cmd += ["--worker", str(spec_path), "--rank", str(rank)]
-            procs.append(
-                subprocess.Popen(
-                    cmd, env={**env, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT
+        for i, ranks in enumerate(groups):
+            launch_spec = {
+                "argv": argv,
+                "plan_ranks": ranks,
+                "run_dir": str(workdir / f"site-{i}"),
+                "run_id": workdir.name,
+                "nnodes": len(groups),
+                "rdzv_endpoint": f"{wan.address(0)}:{RDZV_PORT}" if wan else "127.0.0.1:0",
+                "is_host": i == 0,
+                "env": env,
+                "local_addr": wan.address(i) if wan is not None else None,
+            }
+            path = workdir / f"launch-{i}.json"
+            path.write_text(json.dumps(launch_spec))
+            prefix = wan.prefix(i) if wan is not None else []
+            log = workdir / f"launcher-{i}.log"
+            with log.open("wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [*prefix, sys.executable, "-m", "cpn.train.launcher", str(path)],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        cwd=Path(__file__).resolve().parents[1],
+                    )
                 )
-            )
         while True:
             codes = [p.poll() for p in procs]
             progress = workdir / "progress"
@@ -390,28 +404,33 @@ def launch(
                     on_step(n)
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                raise RankFailed(_failure(workdir, config, failed[0], f"exit {codes[failed[0]]}"))
+                raise RankFailed(_failure(workdir, config, failed[0]))
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
-                stuck = next(i for i, c in enumerate(codes) if c is None)
-                raise RankFailed(_failure(workdir, config, stuck, "still running at the deadline"))
+                raise RankFailed(
+                    f"{config.name}: still running at the deadline (logs in {workdir})"
+                )
             time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                p.kill()  # its workers die with it (cpn.train.guard)
                 p.wait()
-        for log in logs:
-            log.close()
-    ranks = [json.loads((workdir / f"rank-{r}.json").read_text()) for r in range(len(sites))]
-    return Run(ranks, time.monotonic() - began)
+    reports = [json.loads((workdir / f"rank-{r}.json").read_text()) for r in range(len(sites))]
+    return Run(reports, time.monotonic() - began)
 
 
-def _failure(workdir: Path, config: SyncConfig, rank: int, why: str) -> str:
-    lines = (workdir / f"rank-{rank}.log").read_text(errors="replace").strip().splitlines()
-    tail = "\n    ".join(lines[-12:]) if lines else "(no output)"
-    return f"{config.name}: rank {rank} {why} (logs in {workdir}); its log ends:\n    {tail}"
+def _failure(workdir: Path, config: SyncConfig, launcher: int) -> str:
+    result_path = workdir / f"site-{launcher}" / "result.json"
+    try:
+        result = json.loads(result_path.read_text())
+        first = result["failures"][0]
+        tail = "\n    ".join(result.get("tail", [])[-12:]) or "(no output)"
+        why = f"rank {first['rank']} exited with {first['status']}: {first['reason']}"
+    except (OSError, ValueError, KeyError, IndexError):
+        why, tail = f"launcher {launcher} failed", "(see its log)"
+    return f"{config.name}: {why} (logs in {workdir}); its log ends:\n    {tail}"
 
 
 # ------------------------------------------------------------------------------- results
@@ -892,10 +911,9 @@ def main() -> None:
     ap.add_argument("--no-emulation", action="store_true", help="loopback even as root")
     ap.add_argument("--no-selection", action="store_true", help="skip (d)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.rank)
+        worker(args.worker)
         return
     err = Console(stderr=True)
     try:

@@ -1,7 +1,11 @@
-"""Sizes of what data-parallel sync puts on the wire: fusion buckets and sparse payloads.
+"""Sizes of what goes on the wire: fusion buckets, sparse payloads, and the bytes each
+member of a collective sends.
 
-The comm library writes these formats and the cost model predicts them; both call the
-functions here, so a prediction and a measurement can be compared byte for byte.
+The comm library writes these formats and counts these bytes, and the cost model predicts
+them; both call the functions here, so a prediction and a measurement can be compared byte
+for byte. The per-member counts are what the backends really send (measured with socket
+counters, `tests/integration/test_wire_truth.py`), framing aside: totals over a group are
+the same for gloo and NCCL, the split between members may differ (see each function).
 
 Sparse payload of one bucket on one rank: exactly `k` values (fp16 by default) followed
 by `k` indices, so that gloo's equal-size all_gather works. Indices use the smallest of:
@@ -106,3 +110,50 @@ def ring_allreduce_bytes(numel: int, elem_bytes: int, world: int, position: int)
     if world <= 1:
         return 0
     return 2 * (numel - ring_chunks(numel, world)[position]) * elem_bytes
+
+
+def broadcast_bytes(nbytes: int, world: int, position: int, backend: str = "gloo") -> int:
+    """Bytes the member at `position` (0: the root) sends to broadcast `nbytes`.
+
+    gloo broadcasts down a binomial tree: in round j (mask 2^j) every member below the mask
+    sends to the member `mask` above it, so the root sends ⌈log2 n⌉ copies and most leaves
+    none. NCCL pipelines along its ring: every member but the last sends one copy (in NCCL's
+    ring order, which follows the hardware, so this per-member split is approximate there).
+    Either way the group sends (n − 1) copies in all, the cost model's convention.
+    """
+    if world <= 1:
+        return 0
+    if backend == "nccl":
+        return nbytes if position < world - 1 else 0
+    copies = 0
+    mask = 1
+    while mask < world:
+        if position < mask and position + mask < world:
+            copies += 1
+        mask <<= 1
+    return copies * nbytes
+
+
+def reduce_bytes(nbytes: int, world: int, position: int) -> int:
+    """Bytes the member at `position` (0: the root) sends to reduce `nbytes` to the root.
+
+    Along a chain (NCCL's ring reduce, and `cpn.comm`'s own on gloo): every member but the
+    root sends the tensor once, (n − 1) copies in all.
+    """
+    return nbytes if world > 1 and position != 0 else 0
+
+
+def reduce_scatter_bytes(
+    numel: int, elem_bytes: int, world: int, position: int, backend: str = "gloo"
+) -> int:
+    """Bytes the member at `position` sends to reduce-scatter a `numel`-element tensor.
+
+    NCCL runs a ring reduce-scatter: every member sends n − 1 of the n chunks. gloo has no
+    reduce-scatter of its own: torch runs a full ring all-reduce and keeps one chunk, so a
+    member sends what `ring_allreduce_bytes` says, twice the ring's share.
+    """
+    if world <= 1:
+        return 0
+    if backend == "nccl":
+        return (numel - ring_chunks(numel, world)[position]) * elem_bytes
+    return ring_allreduce_bytes(numel, elem_bytes, world, position)

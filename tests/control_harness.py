@@ -4,6 +4,7 @@ talk to it with ordinary (synchronous) gRPC clients or real agent processes."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -11,9 +12,11 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
+from sqlalchemy import select
 
 from cpn.control import ControlServer, ControlSettings, SiteTokens
 from cpn.registry import Registry, upgrade
+from cpn.registry.models import Base
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
 
@@ -115,3 +118,13 @@ def wait_for(condition: Callable[[], T], timeout: float = 30.0, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.05)
+
+
+def registry_digest(registry: Registry) -> str:
+    """A digest of every row of every table: equal digests, nothing was stored."""
+    digest = hashlib.sha256()
+    with registry.read() as session:
+        for table in Base.metadata.sorted_tables:
+            rows = session.execute(select(table).order_by(*table.primary_key.columns)).all()
+            digest.update(f"{table.name}:{rows!r}".encode())
+    return digest.hexdigest()

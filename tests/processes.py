@@ -97,10 +97,27 @@ def wait_until(condition: Any, timeout: float, what: str, proc: Proc | None = No
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+def pages(url: str) -> list[Any]:
+    """Every item of a paginated list, following its `Link: <…>; rel="next"` headers."""
+    items: list[Any] = []
+    next_url: str | None = url
+    while next_url is not None:
+        reply = httpx.get(next_url, timeout=10)
+        reply.raise_for_status()
+        items.extend(reply.json())
+        next_url = reply.links.get("next", {}).get("url")
+    return items
+
+
 def sites(http_port: int) -> dict[str, dict[str, Any]]:
-    reply = httpx.get(f"http://127.0.0.1:{http_port}/v1/sites", timeout=10)
-    reply.raise_for_status()
-    return {s["name"]: s for s in reply.json()}
+    """Every site by name, with its `agents` and `nodes` (each list fetched whole)."""
+    base = f"http://127.0.0.1:{http_port}/v1/sites"
+    out = {}
+    for site in pages(base):
+        site["agents"] = pages(f"{base}/{site['name']}/agents")
+        site["nodes"] = pages(f"{base}/{site['name']}/nodes")
+        out[site["name"]] = site
+    return out
 
 
 @contextmanager

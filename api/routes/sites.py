@@ -1,105 +1,104 @@
-"""`GET /v1/sites`: every site with its agents (and whether they are alive), nodes, GPUs,
-RDMA NICs and the WAN links its agents measured."""
+"""Sites, their agents and their nodes, as the registry knows them.
+
+- `GET /v1/sites`: every site in summary (agents alive, GPUs free/allocated/lost) with
+  the WAN links its agents measured;
+- `GET /v1/sites/{site}/agents`: the site's agents, alive or lost;
+- `GET /v1/sites/{site}/nodes`: the site's nodes with their GPUs and RDMA ports.
+
+Each is a page in key order (site name, agent id, node name): `limit` items (default
+100, at most 1000) after the key `after`. When more follow, the `Link` header names the
+next page (`<…?after=KEY&limit=N>; rel="next"`, as RFC 8288 and GitHub's API do), so the
+body stays a plain list. Every page costs a fixed number of queries (cpn.registry.views).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-from sqlalchemy import select
-from sqlalchemy.orm import selectinload
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 
 from api.deps import SessionDep
-from api.schemas import (
-    AgentPublic,
-    GpuPublic,
-    LinkPublic,
-    NodePublic,
-    RdmaNicPublic,
-    SitePublic,
-)
-from cpn.registry.models import Agent, Gpu, Node, Site, WanLink, utcnow
+from api.schemas import AgentPublic, NodePublic, SitePublic
+from cpn.contracts.limits import AGENT_ID_MAX, AGENT_ID_PATTERN, NAME_MAX, NAME_PATTERN
+from cpn.registry import views
+from cpn.registry.models import utcnow
 
 router = APIRouter(prefix="/v1/sites", tags=["sites"])
 
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="items per page")]
+SiteName = Annotated[
+    str, Path(pattern=f"^{NAME_PATTERN}$", max_length=NAME_MAX, description="site name")
+]
+AfterName = Annotated[
+    str | None,
+    Query(
+        pattern=f"^{NAME_PATTERN}$",
+        max_length=NAME_MAX,
+        description="start after this name (from the previous page's Link header)",
+    ),
+]
+AfterAgent = Annotated[
+    str | None,
+    Query(
+        pattern=f"^{AGENT_ID_PATTERN}$",
+        max_length=AGENT_ID_MAX,
+        description="start after this agent id (from the previous page's Link header)",
+    ),
+]
+
+
+def _link_next(request: Request, response: Response, after: str | None, limit: int) -> None:
+    if after is not None:
+        url = request.url.include_query_params(after=after, limit=limit)
+        response.headers["Link"] = f'<{url}>; rel="next"'
+
+
+def _site(session: SessionDep, name: str) -> int:
+    found = views.site_id(session, name)
+    if found is None:
+        raise HTTPException(status_code=404, detail=f"site: no site {name!r}")
+    return found
+
 
 @router.get("", response_model=list[SitePublic])
-def list_sites(session: SessionDep) -> list[SitePublic]:
-    now = utcnow()
-    sites = session.scalars(
-        select(Site)
-        .order_by(Site.name)
-        .options(
-            selectinload(Site.agents).selectinload(Agent.lease),
-            selectinload(Site.nodes).selectinload(Node.gpus).selectinload(Gpu.allocation),
-            selectinload(Site.nodes).selectinload(Node.rdma_nics),
-            selectinload(Site.nodes).selectinload(Node.agent),
-            selectinload(Site.links).selectinload(WanLink.peer_site),
-        )
-    ).all()
-    return [
-        SitePublic(
-            name=site.name,
-            gpu_price_per_hour=site.gpu_price_per_hour,
-            intra_site_gbps=site.intra_site_gbps,
-            agents=[
-                AgentPublic(
-                    agent_id=a.agent_id,
-                    version=a.version,
-                    alive=a.alive_at(now),
-                    status="alive" if a.alive_at(now) else "lost",
-                    health=a.health,
-                    registrations=a.registrations,
-                    registered_at=a.registered_at,
-                    last_heartbeat_at=a.last_heartbeat_at,
-                    lease_expires_at=a.lease.expires_at if a.lease else None,
-                    lost_at=a.lost_at,
-                    probe_address=a.probe_address,
-                )
-                for a in site.agents
-            ],
-            nodes=[
-                NodePublic(
-                    name=n.name,
-                    agent_id=n.agent.agent_id,
-                    intra_node_gbps=n.intra_node_gbps,
-                    gpus=[
-                        GpuPublic(
-                            index=g.index,
-                            model=g.model,
-                            memory_gb=g.memory_gb,
-                            tflops=g.tflops,
-                            uuid=g.uuid,
-                            source=g.source,
-                            status=g.status.value,
-                            allocated_to=g.allocation.job_id if g.allocation else None,
-                            utilisation=g.utilisation,
-                            memory_used_gb=g.memory_used_gb,
-                        )
-                        for g in n.gpus
-                    ],
-                    rdma_nics=[
-                        RdmaNicPublic(
-                            device=c.device,
-                            port=c.port,
-                            transport=c.transport,
-                            roce_version=c.roce_version,
-                            rate_gbps=c.rate_gbps,
-                            state=c.state,
-                        )
-                        for c in n.rdma_nics
-                    ],
-                )
-                for n in site.nodes
-            ],
-            links=[
-                LinkPublic(
-                    peer=link.peer_site.name,
-                    bandwidth_gbps=link.bandwidth_gbps,
-                    rtt_ms=link.rtt_ms,
-                    measured_at=link.measured_at,
-                    reported_by=link.reported_by,
-                )
-                for link in site.links
-            ],
-        )
-        for site in sites
-    ]
+def list_sites(
+    session: SessionDep,
+    request: Request,
+    response: Response,
+    limit: Limit = DEFAULT_PAGE,
+    after: AfterName = None,
+) -> list[views.SiteView]:
+    page = views.sites(session, utcnow(), limit=limit, after=after)
+    _link_next(request, response, page.next_after, limit)
+    return page.items
+
+
+@router.get("/{site}/agents", response_model=list[AgentPublic])
+def list_agents(
+    session: SessionDep,
+    request: Request,
+    response: Response,
+    site: SiteName,
+    limit: Limit = DEFAULT_PAGE,
+    after: AfterAgent = None,
+) -> list[views.AgentView]:
+    page = views.agents(session, _site(session, site), utcnow(), limit=limit, after=after)
+    _link_next(request, response, page.next_after, limit)
+    return page.items
+
+
+@router.get("/{site}/nodes", response_model=list[NodePublic])
+def list_nodes(
+    session: SessionDep,
+    request: Request,
+    response: Response,
+    site: SiteName,
+    limit: Limit = DEFAULT_PAGE,
+    after: AfterName = None,
+) -> list[views.NodeView]:
+    page = views.nodes(session, _site(session, site), utcnow(), limit=limit, after=after)
+    _link_next(request, response, page.next_after, limit)
+    return page.items

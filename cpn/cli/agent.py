@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from agents.config import DEFAULT_WORKER_COMMAND
+from agents.config import WORKER_PLACEHOLDERS
 from cpn.cli import app
 from cpn.errors import CpnError, InputError
 
@@ -101,14 +101,16 @@ def agent(
         ),
     ] = 4 * 1024 * 1024,
     worker_command: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--worker-command",
-            help="Command per rank; placeholders {python} {plan} {job} {rank} {job_id} "
-            "{metrics} (per-step JSON lines, as cpn worker --metrics writes them) {status} "
-            "(the agents.status file, also in $CPN_STATUS_FILE).",
+            help="Run this instead of cpn worker for each rank (through torch's elastic "
+            "agent, like cpn worker); placeholders {python} {plan} {job} {metrics} "
+            "(per-step JSON lines, {rank} left for the worker). A worker finds its plan "
+            "rank in $CPN_PLAN_RANKS[$LOCAL_RANK] and may report with agents.status.",
+            show_default=False,
         ),
-    ] = DEFAULT_WORKER_COMMAND,
+    ] = None,
     work_dir: Annotated[
         Path, typer.Option("--work-dir", help="Where job files and worker logs go.")
     ] = Path("cpn-agent-work"),
@@ -141,8 +143,8 @@ def agent(
     node = _node_name(node_name)
     if not _NAME.match(node):
         raise InputError(f"--node-name: {node!r}: use letters, digits and _ . -")
-    for placeholder in re.findall(r"{([^}]*)}", worker_command):
-        if placeholder not in {"python", "plan", "job", "rank", "job_id", "metrics", "status"}:
+    for placeholder in re.findall(r"{([^}]*)}", worker_command or ""):
+        if placeholder not in WORKER_PLACEHOLDERS:
             raise InputError(f"--worker-command: unknown placeholder {{{placeholder}}}")
     config = AgentConfig(
         site=site,

@@ -46,101 +46,171 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _help(name: str, text: str) -> str:
+    """A flag's help naming its variable. The defaults live only in ControlSettings
+    (`cpn serve --print-settings` shows them); importing it here would slow every `cpn`
+    command down."""
+    return f"{text} (or $CPN_{name.upper()})."
+
+
 @app.command()
 def serve(
     site_tokens: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--site-tokens",
-            envvar="CPN_SITE_TOKENS",
             help="YAML mapping site name → bearer token (or → {token, gpu_price_per_hour, "
-            "intra_site_gbps}). Agents of a site authenticate with its token.",
+            "intra_site_gbps}); agents of a site authenticate with its token. Required "
+            "(or $CPN_SITE_TOKENS).",
+            show_default=False,
         ),
-    ],
+    ] = None,
     database_url: Annotated[
         str | None,
         typer.Option(
             "--database-url",
-            envvar="CPN_DATABASE_URL",
-            help="sqlite:///path.db (default sqlite:///cpn.db) or postgresql://user@host/db.",
+            help=_help("database_url", "sqlite:///path.db or postgresql://user@host/db"),
             show_default=False,
         ),
     ] = None,
     grpc_port: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--grpc-port", help="Agent service port (0: any free port).", min=0, max=65535
+            "--grpc-port",
+            help=_help("grpc_port", "Agent service port, 0: any free port"),
+            show_default=False,
         ),
-    ] = 50051,
+    ] = None,
     http_port: Annotated[
-        int, typer.Option("--http-port", help="HTTP API port (0: any free port).", min=0, max=65535)
-    ] = 8080,
-    host: Annotated[str, typer.Option(help="Address both servers listen on.")] = "0.0.0.0",
+        int | None,
+        typer.Option(
+            "--http-port",
+            help=_help("http_port", "REST API port, 0: any free port"),
+            show_default=False,
+        ),
+    ] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(help=_help("host", "Address both servers listen on"), show_default=False),
+    ] = None,
     lease_ttl: Annotated[
-        float,
+        float | None,
         typer.Option(
-            "--lease-ttl", help="Seconds without a heartbeat before an agent is lost.", min=0.1
+            "--lease-ttl",
+            help=_help("lease_ttl_s", "Seconds without a heartbeat before an agent is lost"),
+            show_default=False,
         ),
-    ] = 10.0,
+    ] = None,
     heartbeat_interval: Annotated[
-        float,
+        float | None,
         typer.Option(
-            "--heartbeat-interval", help="Seconds between heartbeats asked of agents.", min=0.05
+            "--heartbeat-interval",
+            help=_help("heartbeat_interval_s", "Seconds between heartbeats asked of agents"),
+            show_default=False,
         ),
-    ] = 3.0,
+    ] = None,
     max_message_bytes: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--max-message-bytes", help="Largest request accepted from an agent.", min=1024
+            "--max-message-bytes",
+            help=_help("max_message_bytes", "Largest request accepted from an agent"),
+            show_default=False,
         ),
-    ] = 4 * 1024 * 1024,
+    ] = None,
     log_level: Annotated[
-        str, typer.Option("--log-level", help="debug, info, warning, error.")
-    ] = "info",
+        str | None,
+        typer.Option(
+            "--log-level",
+            help=_help("log_level", "debug, info, warning, error"),
+            show_default=False,
+        ),
+    ] = None,
     tls_cert: Annotated[
         Path | None,
         typer.Option(
-            "--tls-cert", help="PEM certificate chain: serve gRPC over TLS.", show_default=False
+            "--tls-cert",
+            help=_help("tls_cert", "PEM certificate chain: serve gRPC over TLS"),
+            show_default=False,
         ),
     ] = None,
     tls_key: Annotated[
         Path | None,
-        typer.Option("--tls-key", help="PEM private key for --tls-cert.", show_default=False),
+        typer.Option(
+            "--tls-key", help=_help("tls_key", "PEM private key for --tls-cert"), show_default=False
+        ),
     ] = None,
+    print_settings: Annotated[
+        bool,
+        typer.Option(
+            "--print-settings",
+            help="Print every setting with its value (defaults, $CPN_* and flags applied) "
+            "as JSON, and exit.",
+        ),
+    ] = False,
 ) -> None:
-    """Run the control plane: migrate the database, then serve agents over gRPC and the
-    REST API over HTTP until interrupted.
+    """Run the control plane: migrate the database, then serve agents over gRPC, run the
+    orchestration loop and serve the REST API over HTTP until interrupted.
 
-    Prints one line when ready: the gRPC and HTTP ports and the database.
+    Every setting can also come from a `CPN_*` environment variable (docs/service.md lists
+    them); a flag given wins over the environment. Prints one line when ready: the gRPC and
+    HTTP ports and the database.
     """
-    from cpn.control import ControlSettings, SiteTokens  # noqa: PLC0415
-    from cpn.registry import database_url as resolve_url  # noqa: PLC0415
+    from cpn.control import SiteTokens  # noqa: PLC0415
     from cpn.registry import upgrade  # noqa: PLC0415
     from cpn.registry.db import normalize_url  # noqa: PLC0415
 
-    setup_logging(log_level)
-    tokens = SiteTokens.load(site_tokens)
-    url = normalize_url(resolve_url(database_url))
-    try:
-        settings = ControlSettings(
-            database_url=url,
-            host=host,
-            grpc_port=grpc_port,
-            http_port=http_port,
-            site_tokens=site_tokens,
-            lease_ttl_s=lease_ttl,
-            heartbeat_interval_s=heartbeat_interval,
-            max_message_bytes=max_message_bytes,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-        )
-    except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        raise InputError(str(err["msg"]).removeprefix("Value error, ")) from None
-    upgrade(url)
-    http_sock = bind_http(host, http_port)
+    flags = {
+        "site_tokens": site_tokens,
+        "database_url": database_url,
+        "grpc_port": grpc_port,
+        "http_port": http_port,
+        "host": host,
+        "lease_ttl_s": lease_ttl,
+        "heartbeat_interval_s": heartbeat_interval,
+        "max_message_bytes": max_message_bytes,
+        "log_level": log_level,
+        "tls_cert": tls_cert,
+        "tls_key": tls_key,
+    }
+    settings = load_settings({k: v for k, v in flags.items() if v is not None})
+    if print_settings:
+        typer.echo(settings.model_dump_json(indent=2))
+        return
+    setup_logging(settings.log_level)
+    if settings.site_tokens is None:
+        raise InputError("--site-tokens: required (or $CPN_SITE_TOKENS)")
+    tokens = SiteTokens.load(settings.site_tokens)
+    settings = settings.model_copy(update={"database_url": normalize_url(settings.database_url)})
+    upgrade(settings.database_url)
+    http_sock = bind_http(settings.host, settings.http_port)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(settings, tokens, http_sock))
+
+
+_FLAG_NAMES = {
+    "lease_ttl_s": "--lease-ttl",
+    "heartbeat_interval_s": "--heartbeat-interval",
+}
+
+
+def load_settings(overrides: dict[str, object]) -> ControlSettings:
+    """Defaults < $CPN_* < flags; a bad value is one line naming the flag or variable."""
+    from cpn.control import ControlSettings  # noqa: PLC0415
+
+    try:
+        return ControlSettings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["loc"]:
+            name = str(err["loc"][0])
+            where = (
+                _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+                if name in overrides
+                else f"$CPN_{name.upper()}"
+            )
+            msg = f"{where}: {msg}"
+        raise InputError(msg) from None
 
 
 async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socket.socket) -> None:
@@ -150,14 +220,23 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
     from api import create_app  # noqa: PLC0415
     from cpn.cli.http_server import HttpServer  # noqa: PLC0415
     from cpn.control import ControlServer  # noqa: PLC0415
+    from cpn.orchestration import JobService, ServiceMetrics  # noqa: PLC0415
+    from cpn.orchestration.loop import Orchestrator  # noqa: PLC0415
     from cpn.registry import Registry  # noqa: PLC0415
 
     registry = Registry(settings.database_url)
     control = ControlServer(settings, registry, tokens)
     await control.start()
-    config = uvicorn.Config(
-        create_app(registry), log_level="warning", access_log=False, lifespan="off"
-    )
+    metrics = ServiceMetrics(registry, heartbeats=lambda: control.state.heartbeats)
+    orchestrator = Orchestrator(control, registry, metrics)
+    await orchestrator.start()
+    service = JobService(registry, settings, wake=orchestrator.wake)
+
+    def ready() -> str | None:
+        return None if orchestrator.ticks > 0 else "the orchestration loop has not run yet"
+
+    app = create_app(registry, settings=settings, service=service, metrics=metrics, ready=ready)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     http = HttpServer(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -176,5 +255,6 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
         await http.serve(sockets=[http_sock])  # returns after SIGINT/SIGTERM
     finally:
         log.info("shutting down")
+        await orchestrator.stop()
         await control.stop()
         registry.dispose()

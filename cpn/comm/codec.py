@@ -22,7 +22,9 @@ VALUE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
 }
 
-_BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
 
 
 def payload_bytes(numel: int, k: int, value_dtype: torch.dtype) -> int:
@@ -42,15 +44,16 @@ def encode(
     k = indices.numel()
     if values.numel() != k:
         raise ValueError(f"values: {values.numel()} entries for {k} indices")
+    device = values.device
     if k == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=device)
     vals = _to_bytes(values.to(value_dtype))
     enc = wire.index_encoding(numel, k)
     if enc is wire.IndexEncoding.BITMAP:
         nbytes = (numel + 7) // 8
-        bits = torch.zeros(nbytes * 8, dtype=torch.uint8)
+        bits = torch.zeros(nbytes * 8, dtype=torch.uint8, device=device)
         bits[indices] = 1
-        idx = (bits.view(nbytes, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+        idx = (bits.view(nbytes, 8) * _bit_weights(device)).sum(dim=1, dtype=torch.uint8)
     elif enc is wire.IndexEncoding.INT32:
         idx = _to_bytes(indices.to(torch.int32))
     else:
@@ -65,8 +68,9 @@ def decode(
     payload: torch.Tensor, numel: int, k: int, value_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values as fp32, indices as int64) from a payload `encode` wrote."""
+    device = payload.device
     if k == 0:
-        return torch.empty(0), torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, device=device), torch.empty(0, dtype=torch.int64, device=device)
     expected = payload_bytes(numel, k, value_dtype)
     if payload.numel() != expected:
         raise ValueError(f"payload: {payload.numel()} bytes, expected {expected}")
@@ -75,13 +79,13 @@ def decode(
     raw = payload[split:]
     enc = wire.index_encoding(numel, k)
     if enc is wire.IndexEncoding.BITMAP:
-        bits = (raw.unsqueeze(1) & _BIT_WEIGHTS).ne(0).reshape(-1)[:numel]
+        bits = (raw.unsqueeze(1) & _bit_weights(device)).ne(0).reshape(-1)[:numel]
         indices = bits.nonzero().reshape(-1)
     elif enc is wire.IndexEncoding.INT32:
         indices = raw.clone().view(torch.int32).to(torch.int64)
     else:
         width = wire.index_width(numel)
-        wide = torch.zeros(k, 8, dtype=torch.uint8)
+        wide = torch.zeros(k, 8, dtype=torch.uint8, device=device)
         wide[:, :width] = raw.view(k, width)
         indices = wide.view(torch.int64).reshape(-1)
     if indices.numel() != k:

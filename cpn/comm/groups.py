@@ -10,8 +10,8 @@ parallel index) in the 3D runtime):
     local index: the j-th rank of every site. It needs the same number of ranks at every
     site, because each local rank owns one shard of the gradient across sites.
 `torch.distributed.new_group` is collective over the whole world: every process creates
-every group in the same order, member or not, so `build_site_groups` must be called by
-all ranks with the same arguments.
+every group in the same order, member or not, so `build_site_groups` and `new_groups` must
+be called by all ranks with the same arguments.
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ class Member:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def backend(self) -> str:
+        """ "gloo" or "nccl": what really goes on the wire depends on it (`cpn.wire`)."""
+        if self.handle is None:
+            return "none"
+        return str(dist.get_backend(self.handle))
+
     def group_rank(self, position: int) -> int:
         """The global rank at `position` (what `dist.reduce(dst=…)` expects)."""
         return self.ranks[position]
@@ -52,10 +59,6 @@ class SiteGroups:
     local: Member  # this rank's site; position 0 is the site leader
     leaders: Member | None  # the site leaders; None on ranks that are not leaders
     shard: Member | None  # sharded hierarchy: the same local index at every site
-
-    @property
-    def is_leader(self) -> bool:
-        return self.local.position == 0
 
     @property
     def world(self) -> int:
@@ -103,6 +106,27 @@ def _new(ranks: Sequence[int], timeout: datetime.timedelta | None) -> dist.Proce
         return None
     group: dist.ProcessGroup = dist.new_group(list(ranks), timeout=timeout)
     return group
+
+
+def new_groups(
+    groups: Sequence[Sequence[int]], *, timeout: datetime.timedelta | None = None
+) -> Member:
+    """Create every group of a partition of the world (collectively); return this rank's.
+
+    `groups` lists disjoint groups of global ranks that cover this rank (tensor-parallel
+    groups, say). Every rank calls it with the same arguments.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("new_groups: torch.distributed is not initialised")
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine: Member | None = None
+    for ranks in _check_members(groups, world):
+        handle = _new(ranks, timeout)
+        if me in ranks:
+            mine = Member(handle, ranks, ranks.index(me))
+    if mine is None:
+        raise ValueError(f"groups: rank {me} is in none of the groups")
+    return mine
 
 
 def build_site_groups(

@@ -4,7 +4,9 @@ DDP hands the hook one fused bucket of gradients at a time, in the order they be
 ready, and expects a future of the averaged bucket (DDP does not divide by the world size
 when a hook is registered). The sync here is blocking, so the future is already complete
 when it is returned; DDP still overlaps the remaining backward pass with buckets that are
-not ready yet.
+not ready yet. A bucket whose average is not finite comes back as it is (an AMP
+GradScaler sees the inf and skips the step) and leaves the error-feedback state alone;
+`state.skipped_steps` counts such steps.
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
@@ -30,7 +32,7 @@ def wan_sync_hook(state: WanSyncState, bucket: GradBucket) -> torch.futures.Futu
         slots = state.slots_of(params)
     averaged = sync_flat(state, buf, slots, sizes).to(buf.dtype)
     if bucket.is_last():
-        state.step += 1
+        state.end_step()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(averaged)
     return fut

@@ -3,10 +3,12 @@
 One object per data-parallel group on each rank. It holds the groups (built from the
 rank → site map), what to send across sites (dense in the training dtype, fp16 or bf16;
 or top-k with error feedback), the per-parameter error-feedback residuals and DGC
-momentum of the ranks that exchange across sites, the step (for warm-up) and the bytes
-this rank sent by link class. Residuals and momentum are kept per parameter, not per
-bucket, so that DDP rebuilding its buckets after the first iteration, or a checkpoint
-restored into differently fused buckets, keeps them.
+momentum of the ranks that exchange across sites, the step (for warm-up), the steps it
+refused to fold into that memory because a gradient was not finite, and the bytes this
+rank sent by link class (a `Traffic`, which the 3D runtime shares with its other
+collectives). Residuals and momentum are kept per parameter, not per bucket, so that DDP
+rebuilding its buckets after the first iteration, or a checkpoint restored into
+differently fused buckets, keeps them; they live on the gradients' device.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import torch
 
 from cpn import wire
 from cpn.comm.codec import VALUE_DTYPES
-from cpn.comm.collectives import Counter
 from cpn.comm.groups import SiteGroups, build_site_groups
 from cpn.comm.schedule import SparseSchedule
+from cpn.comm.traffic import Traffic
 
 Compression = Literal["none", "fp16", "bf16", "topk", "auto"]
 Hierarchy = Literal["leader", "sharded", "flat"]
@@ -62,10 +64,12 @@ class WanSyncState:
         0 disables it. Momentum factor masking clears it where entries were sent.
       clip_norm: local clipping of the site's mean gradient per bucket before it enters
         the accumulator (DGC's local gradient clipping); None disables it.
-      timeout: how long a collective waits for a peer before failing with WanSyncError.
+      timeout: how long a collective waits for a peer before failing with CommError.
       seed: seeds the sampled top-k threshold (the same on every rank, so runs repeat).
       parameters: the model's parameters, so that DDP-hook state is keyed by position
         (needed for `state_dict` to load into a new process); default: first-seen order.
+      traffic: the byte counter to add to (the runtime passes the worker's own, shared by
+        all its collectives); default: a fresh one, read through `bytes_sent`.
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class WanSyncState:
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         seed: int = 0,
         parameters: Iterable[torch.nn.Parameter] | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(
@@ -142,7 +147,15 @@ class WanSyncState:
         self.timeout = timeout
         self.seed = seed
         self.step = 0
-        self.counter = Counter()
+        #: Steps whose gradient (somewhere in the group) was not finite: their sync returned
+        #: a non-finite result and left the residuals and velocities as they were, so the
+        #: caller can skip the optimizer step, as AMP's GradScaler does.
+        self.skipped_steps = 0
+        self._skip_this_step = False
+        #: Send the next step dense whatever the schedule says (a resumed run flushing error
+        #: feedback it could not map onto its layout).
+        self.flush_next = False
+        self.traffic = traffic if traffic is not None else Traffic()
         #: Error-feedback residual and DGC velocity per parameter slot (exchanging ranks).
         self.residuals: dict[int, torch.Tensor] = {}
         self.velocities: dict[int, torch.Tensor] = {}
@@ -161,39 +174,61 @@ class WanSyncState:
         return self.schedule.density
 
     @property
-    def bytes_sent(self) -> dict[str, int]:
-        """Bytes this rank sent so far, by link class ("intra_site", "wan")."""
-        return dict(self.counter)
+    def prescaled(self) -> bool:
+        """Whether buckets are divided by the group size before they travel: when some hop
+        is narrow (fp16/bf16), so that sums that the mean would fit do not overflow."""
+        return self.wire_dtype != torch.float32 or self.compression in ("fp16", "bf16")
 
-    def reset_bytes(self) -> None:
-        for key in self.counter:
-            self.counter[key] = 0
+    @property
+    def feedback_scale(self) -> float:
+        """Residuals and velocities × this = sums of gradients (checkpoints store them so,
+        whatever the group size of the run that reads them)."""
+        return float(self.groups.world) if self.prescaled else 1.0
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank sent so far, by link class (its `traffic`'s totals)."""
+        return self.traffic.snapshot()
 
     def slots_of(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Stable slots for DDP-bucket parameters (first-seen order unless given)."""
         return [self._slot_of.setdefault(id(p), len(self._slot_of)) for p in params]
 
-    def buffer(self, store: dict[int, torch.Tensor], slot: int, like: int) -> torch.Tensor:
+    def buffer(
+        self, store: dict[int, torch.Tensor], slot: int, numel: int, device: torch.device
+    ) -> torch.Tensor:
         buf = store.get(slot)
-        if buf is None or buf.numel() != like:
-            buf = store[slot] = torch.zeros(like)
+        if buf is None or buf.numel() != numel or buf.device != device:
+            buf = store[slot] = torch.zeros(numel, device=device)
         return buf
+
+    def end_step(self) -> bool:
+        """Close a step: advance the schedule; True if the step's gradient was not finite."""
+        skipped = self._skip_this_step
+        if skipped:
+            self.skipped_steps += 1
+        self._skip_this_step = False
+        self.flush_next = False
+        self.step += 1
+        return skipped
+
+    def mark_not_finite(self) -> None:
+        self._skip_this_step = True
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "skipped_steps": self.skipped_steps,
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "velocities": {k: v.clone() for k, v in self.velocities.items()},
-            "bytes_sent": dict(self.counter),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.velocities = {int(k): v.clone() for k, v in state["velocities"].items()}
-        for key, value in state.get("bytes_sent", {}).items():
-            self.counter[key] = int(value)
 
     def __repr__(self) -> str:
         return (

@@ -16,11 +16,21 @@ exchange: `acc += g` (or, with momentum correction, `u = m·u + g; acc += u`), s
 largest |acc| as `value_dtype`, keep `acc − sent` as the residual: what was not sent, or
 was lost to rounding, is sent later rather than dropped. Sent + residual equals the
 accumulator exactly (fp16 rounding error is exactly representable in fp32).
+
+A gradient that is not finite never enters that memory. A leader whose site sum holds an
+inf or a NaN sends NaN values instead of its top-k (dense modes carry the inf or NaN by
+themselves), so every rank of the group sees a non-finite result; then nobody commits the
+step's residuals or velocities, the result is returned as it is (an AMP GradScaler, or the
+runtime, sees it and skips the optimizer step) and `state.skipped_steps` counts it.
+
+Narrow wires do not overflow where the mean fits: with fp16/bf16 on the wire the bucket is
+scaled by 1/n before it is cast (as PyTorch's fp16 hook divides first), and casts saturate
+finite values at the dtype's largest value instead of turning them into inf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,17 +38,32 @@ from cpn import wire
 from cpn.comm import codec
 from cpn.comm.collectives import (
     all_gather,
-    all_gather_into,
+    all_gather_flat,
+    all_reduce,
     broadcast_from_first,
     reduce_scatter,
     reduce_to_first,
-    ring_all_reduce,
 )
 from cpn.comm.groups import Member
 from cpn.comm.select import topk_indices
 from cpn.comm.state import WanSyncState
+from cpn.comm.traffic import LinkClass
 
 _DENSE_WAN_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+Commit = Callable[[], None]
+
+
+def _nothing() -> None:
+    return None
+
+
+def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` cast to `dtype`, finite values clamped to its range; inf and NaN kept as they are."""
+    if dtype == torch.float32 or not dtype.is_floating_point:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return torch.where(torch.isfinite(x), x.clamp(-limit, limit), x).to(dtype)
 
 
 def compress(
@@ -47,22 +72,23 @@ def compress(
     """Take the top-k of `acc` out of it: returns (sorted indices, values as sent).
 
     `acc` keeps the residual: acc_after[idx] = acc[idx] − float(sent), so that
-    float(sent) + acc_after == acc exactly.
+    float(sent) + acc_after == acc exactly. Values beyond `value_dtype`'s range are sent
+    saturated; what did not fit stays in the residual.
     """
     idx = topk_indices(acc, k, generator=generator)
-    picked = acc[idx]
-    if value_dtype != torch.float32:
-        limit = torch.finfo(value_dtype).max
-        picked = picked.clamp(-limit, limit)
-    sent = picked.to(value_dtype)
+    sent = saturate(acc[idx], value_dtype)
     acc[idx] -= sent.to(torch.float32)
     return idx, sent
 
 
 def _gather_state(
-    store: dict[int, torch.Tensor], state: WanSyncState, slots: Sequence[int], sizes: Sequence[int]
+    store: dict[int, torch.Tensor],
+    state: WanSyncState,
+    slots: Sequence[int],
+    sizes: Sequence[int],
+    device: torch.device,
 ) -> torch.Tensor:
-    return torch.cat([state.buffer(store, s, n) for s, n in zip(slots, sizes, strict=True)])
+    return torch.cat([state.buffer(store, s, n, device) for s, n in zip(slots, sizes, strict=True)])
 
 
 def _scatter_state(
@@ -82,8 +108,11 @@ class _Window:
     ) -> None:
         self.state, self.slots, self.sizes, self.lo, self.hi = state, slots, sizes, lo, hi
 
-    def load(self, store: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        full = _gather_state(store, self.state, self.slots, self.sizes)
+    def load(
+        self, store: dict[int, torch.Tensor], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a copy of the whole bucket's state, its [lo, hi) view): edit, then `save`."""
+        full = _gather_state(store, self.state, self.slots, self.sizes, device)
         return full, full[self.lo : self.hi]
 
     def save(self, store: dict[int, torch.Tensor], full: torch.Tensor) -> None:
@@ -92,14 +121,20 @@ class _Window:
 
 def _exchange(
     state: WanSyncState, v: torch.Tensor, window: _Window, member: Member, sum_of: int
-) -> torch.Tensor:
-    """Sum over sites of `v` (this rank's site's sum over `sum_of` ranks of its window)."""
-    counter = state.counter
+) -> tuple[torch.Tensor, Commit]:
+    """Sum over sites of `v` (this rank's site's sum over `sum_of` ranks of its window).
+
+    Returns the sum (fp32) and what commits this step's error-feedback memory; the caller
+    commits only once it knows the whole result is finite.
+    """
+    traffic = state.traffic
     if not state.sparse:
         dtype = _DENSE_WAN_DTYPES.get(state.compression, state.wire_dtype)
-        return ring_all_reduce(v.to(dtype), member, counter, "wan").to(torch.float32)
+        total = all_reduce(saturate(v, dtype), member, traffic, "wan", what="the WAN exchange")
+        return total.to(torch.float32), _nothing
 
-    if state.clip_norm is not None:
+    finite = bool(torch.isfinite(v).all())
+    if finite and state.clip_norm is not None:
         # Local gradient clipping (DGC): bound the site's mean gradient, scaled to the
         # share of the bucket this rank holds.
         share = (window.hi - window.lo) / max(sum(window.sizes), 1)
@@ -107,81 +142,105 @@ def _exchange(
         norm = float(v.norm())
         if norm > limit:
             v = v * (limit / norm)
-    res_full, acc = window.load(state.residuals)
+    res_full, acc = window.load(state.residuals, v.device)
     if state.momentum > 0:
-        vel_full, u = window.load(state.velocities)
+        vel_full, u = window.load(state.velocities, v.device)
         u.mul_(state.momentum).add_(v)
         acc += u
     else:
         acc += v
-    density = state.schedule.at(state.step)
-    if density is None:
-        # Dense fp16 step: send the whole accumulator, keep its rounding error.
-        sent = acc.to(torch.float16)
-        acc -= sent.to(torch.float32)
+
+    def commit() -> None:
         window.save(state.residuals, res_full)
         if state.momentum > 0:
             window.save(state.velocities, vel_full)
-        return ring_all_reduce(sent, member, counter, "wan").to(torch.float32)
+
+    density = None if state.flush_next else state.schedule.at(state.step)
+    if density is None:
+        # Dense fp16 step: send the whole accumulator, keep its rounding error.
+        sent = saturate(acc, torch.float16)
+        acc -= sent.to(torch.float32)
+        if not finite:
+            sent.fill_(float("nan"))
+        total = all_reduce(sent, member, traffic, "wan", what="the WAN exchange (dense step)")
+        return total.to(torch.float32), commit
 
     numel = acc.numel()
     k = wire.topk_count(numel, density)
     gen = torch.Generator().manual_seed(state.seed * 1_000_003 + state.step)
     idx, values = compress(acc, k, state.value_dtype, gen)
-    window.save(state.residuals, res_full)
     if state.momentum > 0:
         u[idx] = 0.0  # momentum factor masking: sent entries restart their velocity
-        window.save(state.velocities, vel_full)
+    if not finite:
+        values.fill_(float("nan"))  # tells every site that this step is void
     payload = codec.encode(values, idx, numel, state.value_dtype)
-    total = torch.zeros(numel)
-    for part in all_gather(payload, member, counter, "wan"):
+    total = torch.zeros(numel, device=v.device)
+    for part in all_gather(payload, member, traffic, "wan", what="the WAN exchange (top-k)"):
         vals, where = codec.decode(part, numel, k, state.value_dtype)
         total.index_add_(0, where, vals)
-    return total
+    return total, commit
 
 
-def _flat(state: WanSyncState, flat: torch.Tensor) -> torch.Tensor:
+def _flat(state: WanSyncState, flat: torch.Tensor) -> tuple[torch.Tensor, Commit]:
     g = state.groups
     nxt = g.ranks[(g.flat.position + 1) % g.world]
-    link = "wan" if g.site_of_rank(nxt) != g.site else "intra_site"
-    return ring_all_reduce(flat.to(state.wire_dtype), g.flat, state.counter, link).to(torch.float32)
+    link: LinkClass = "wan" if g.site_of_rank(nxt) != g.site else "intra_site"
+    total = all_reduce(
+        saturate(flat, state.wire_dtype), g.flat, state.traffic, link, what="the flat ring"
+    )
+    return total.to(torch.float32), _nothing
 
 
 def _leader(
     state: WanSyncState, flat: torch.Tensor, slots: Sequence[int], sizes: Sequence[int]
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, Commit]:
     g = state.groups
-    site_sum = reduce_to_first(flat.to(state.wire_dtype), g.local, state.counter, "intra_site")
+    site_sum = reduce_to_first(
+        saturate(flat, state.wire_dtype),
+        g.local,
+        state.traffic,
+        "intra_site",
+        what="the reduce inside the site",
+    )
+    commit = _nothing
     if g.leaders is not None:  # this rank leads its site
         total = site_sum.to(torch.float32)
         if g.leaders.size > 1:
             window = _Window(state, slots, sizes, 0, flat.numel())
-            total = _exchange(state, total, window, g.leaders, g.local.size)
-        out = total.to(state.wire_dtype)
+            total, commit = _exchange(state, total, window, g.leaders, g.local.size)
+        out = saturate(total, state.wire_dtype)
     else:
-        out = torch.empty(flat.numel(), dtype=state.wire_dtype)
-    return broadcast_from_first(out, g.local, state.counter, "intra_site").to(torch.float32)
+        out = torch.empty(flat.numel(), dtype=state.wire_dtype, device=flat.device)
+    result = broadcast_from_first(
+        out, g.local, state.traffic, "intra_site", what="the broadcast inside the site"
+    )
+    return result.to(torch.float32), commit
 
 
 def _sharded(
     state: WanSyncState, flat: torch.Tensor, slots: Sequence[int], sizes: Sequence[int]
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, Commit]:
     g = state.groups
     assert g.shard is not None
     c, numel = g.local.size, flat.numel()
     padded = -(-numel // c) * c
-    buf = torch.zeros(padded, dtype=state.wire_dtype)
-    buf[:numel] = flat
-    mine = reduce_scatter(buf, g.local, state.counter, "intra_site").to(torch.float32)
+    buf = torch.zeros(padded, dtype=state.wire_dtype, device=flat.device)
+    buf[:numel] = saturate(flat, state.wire_dtype)
+    mine = reduce_scatter(
+        buf, g.local, state.traffic, "intra_site", what="the reduce-scatter inside the site"
+    ).to(torch.float32)
     chunk = padded // c
     lo = min(g.local.position * chunk, numel)
     hi = min(lo + chunk, numel)
     window = _Window(state, slots, sizes, lo, hi)
     # Padding never holds gradient; exchange only the real part of the shard.
-    real = _exchange(state, mine[: hi - lo], window, g.shard, c)
-    mine = torch.zeros(chunk, dtype=state.wire_dtype)
-    mine[: hi - lo] = real
-    return all_gather_into(mine, g.local, state.counter, "intra_site")[:numel].to(torch.float32)
+    real, commit = _exchange(state, mine[: hi - lo], window, g.shard, c)
+    mine = torch.zeros(chunk, dtype=state.wire_dtype, device=flat.device)
+    mine[: hi - lo] = saturate(real, state.wire_dtype)
+    whole = all_gather_flat(
+        mine, g.local, state.traffic, "intra_site", what="the all-gather inside the site"
+    )
+    return whole[:numel].to(torch.float32), commit
 
 
 def sync_flat(
@@ -193,25 +252,37 @@ def sync_flat(
     """Average of one fused bucket over the data-parallel group (a new fp32 tensor).
 
     `slots`/`sizes`: the parameters the bucket holds, in order (their slots key the
-    error-feedback state). Does not advance `state.step`.
+    error-feedback state). Does not advance `state.step`. A non-finite average leaves the
+    error-feedback state untouched and marks the step (`state.end_step` counts it).
     """
-    if flat.numel() == 0 or state.groups.world == 1:
+    world = state.groups.world
+    if flat.numel() == 0 or world == 1:
         return flat.to(torch.float32).clone()
+    x = flat.to(torch.float32)
+    if state.prescaled:
+        x = x / world
     if state.hierarchy == "flat":
-        total = _flat(state, flat)
+        total, commit = _flat(state, x)
     elif state.hierarchy == "sharded" and len(state.groups.sites) > 1:
-        total = _sharded(state, flat, slots, sizes)
+        total, commit = _sharded(state, x, slots, sizes)
     else:
-        total = _leader(state, flat, slots, sizes)
-    return total / state.groups.world
+        total, commit = _leader(state, x, slots, sizes)
+    if bool(torch.isfinite(total).all()):
+        commit()
+    else:
+        state.mark_not_finite()
+    return total if state.prescaled else total / world
 
 
-def sync_gradients(state: WanSyncState, grads: Sequence[torch.Tensor]) -> None:
+def sync_gradients(state: WanSyncState, grads: Sequence[torch.Tensor]) -> bool:
     """Average `grads` over the data-parallel group, in place; one step of the schedule.
 
     The call the 3D runtime makes per stage: gradients are fused into the buckets
     `cpn.wire.fuse` defines (the cost model predicts bytes from the same buckets); the
-    position of a gradient in `grads` is its slot for the error-feedback state.
+    position of a gradient in `grads` is its slot for the error-feedback state. Returns
+    True when the step's gradient was not finite somewhere in the group: the averages
+    then hold inf or NaN, nothing entered the residuals, and the optimizer step should be
+    skipped.
     """
     numels = [g.numel() for g in grads]
     for bucket in wire.fuse(numels, state.bucket_elements):
@@ -224,4 +295,4 @@ def sync_gradients(state: WanSyncState, grads: Sequence[torch.Tensor]) -> None:
         for i, n in zip(bucket, sizes, strict=True):
             grads[i].copy_(avg[offset : offset + n].view_as(grads[i]))
             offset += n
-    state.step += 1
+    return state.end_step()

@@ -7,11 +7,11 @@ pipeline stage) pair: `tp` GPUs inside one node.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cpn.contracts.topology import Name
+from cpn.contracts.limits import INT32_MAX, INT64_MAX, MAX_GPU_MEMORY_GB, Label, Name
 
 
 class Dtype(StrEnum):
@@ -56,18 +56,34 @@ class ModelSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    global_batch: int = Field(ge=1, description="sequences per iteration, all replicas together")
-    micro_batch: int = Field(ge=1, description="sequences per micro-batch on one replica")
+    global_batch: int = Field(
+        ge=1, le=INT32_MAX, description="sequences per iteration, all replicas together"
+    )
+    micro_batch: int = Field(
+        ge=1, le=INT32_MAX, description="sequences per micro-batch on one replica"
+    )
     dtype: Dtype = Dtype.BF16
-    steps: int = Field(ge=1)
-    lr: float = Field(default=3e-4, gt=0, le=1, description="peak learning rate (AdamW)")
-    seed: int = Field(default=0, ge=0, description="initialisation and data seed")
+    # Steps are counted in 64-bit columns; 2^31 − 1 is still far beyond any run.
+    steps: int = Field(ge=1, le=INT32_MAX)
+    lr: float = Field(
+        default=3e-4, gt=0, le=1, allow_inf_nan=False, description="peak learning rate (AdamW)"
+    )
+    seed: int = Field(default=0, ge=0, le=INT64_MAX, description="initialisation and data seed")
 
 
 class ParallelSpec(_Strict):
     dp: int = Field(ge=1, le=1_000_000)
     tp: int = Field(ge=1, le=1024)
     pp: int = Field(ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _ranks_fit(self) -> ParallelSpec:
+        # Ranks travel and are stored as 32-bit integers.
+        if self.world_size > INT32_MAX:
+            raise ValueError(
+                f"dp×tp×pp = {self.world_size} workers: at most {INT32_MAX} (32-bit ranks)"
+            )
+        return self
 
     @property
     def world_size(self) -> int:
@@ -77,11 +93,16 @@ class ParallelSpec(_Strict):
 class CompressionSpec(_Strict):
     wan: WanCompression = WanCompression.NONE
     density: float | None = Field(
-        default=None, gt=0, le=1, description="fraction of gradient entries sent (topk only)"
+        default=None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="fraction of gradient entries sent (topk only)",
     )
     warmup_steps: int | None = Field(
         default=None,
         ge=0,
+        le=INT32_MAX,
         description="steps over which top-k density ramps from 25 % down to `density`",
     )
 
@@ -102,8 +123,10 @@ class CompressionSpec(_Strict):
 
 
 class ConstraintsSpec(_Strict):
-    gpu_model: Annotated[str, StringConstraints(min_length=1)] | None = None
-    min_gpu_memory_gb: float | None = Field(default=None, gt=0)
+    gpu_model: Label | None = None
+    min_gpu_memory_gb: float | None = Field(
+        default=None, gt=0, le=MAX_GPU_MEMORY_GB, allow_inf_nan=False
+    )
     sites: list[Name] | None = Field(default=None, min_length=1)
 
 
@@ -112,7 +135,9 @@ class JobSpec(_Strict):
     model: ModelSpec
     train: TrainSpec
     parallel: ParallelSpec | Literal["auto"]
-    gpus: int | None = Field(default=None, ge=1, description="GPU budget, for parallel: auto")
+    gpus: int | None = Field(
+        default=None, ge=1, le=INT32_MAX, description="GPU budget, for parallel: auto"
+    )
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     constraints: ConstraintsSpec = Field(default_factory=ConstraintsSpec)
     priority: int = Field(default=0, ge=-1000, le=1000)

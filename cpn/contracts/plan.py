@@ -11,11 +11,20 @@ data-parallel replica, then the pipeline stage, as in Megatron-LM:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cpn.contracts.job import CompressionSpec, ParallelSpec
+from cpn.contracts.job import CompressionSpec, JobSpec, ParallelSpec
+from cpn.contracts.limits import INT32_MAX, MAX_GPUS_PER_NODE, Int32, Int64, Name
+from cpn.contracts.topology import Topology
+
+#: Seconds, prices and solver figures: finite, never negative unless said otherwise.
+_Finite = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_GpuIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
 
 
 class _Model(BaseModel):
@@ -23,11 +32,13 @@ class _Model(BaseModel):
 
 
 class ShardPlacement(_Model):
-    replica: int = Field(ge=0)
-    stage: int = Field(ge=0)
-    site: str
-    node: str
-    gpus: list[int] = Field(min_length=1, description="GPU indices inside the node, tp of them")
+    replica: Int32
+    stage: Int32
+    site: Name
+    node: Name
+    gpus: list[_GpuIndex] = Field(
+        min_length=1, description="GPU indices inside the node, tp of them"
+    )
 
 
 class BytesPerIteration(_Model):
@@ -40,19 +51,19 @@ class BytesPerIteration(_Model):
     an intermediate site loads every link on its path, so the sum can exceed `wan`.
     """
 
-    intra_node: int = Field(ge=0)
-    intra_site: int = Field(ge=0)
-    wan: int = Field(ge=0)
-    wan_links: dict[str, int] = Field(default_factory=dict)
+    intra_node: Int64
+    intra_site: Int64
+    wan: Int64
+    wan_links: dict[str, Int64] = Field(default_factory=dict)
 
 
 class Breakdown(_Model):
     """Predicted seconds per iteration; the four add up to `predicted_iteration_seconds`."""
 
-    compute: float = Field(ge=0, description="micro-batches × compute of the slowest stage")
-    pipeline: float = Field(ge=0, description="micro-batches × its activation transfer")
-    dp_sync: float = Field(ge=0, description="exposed data-parallel gradient sync")
-    bubble: float = Field(ge=0, description="(pp − 1) pipeline fill and drain slots")
+    compute: _Finite = Field(description="micro-batches × compute of the slowest stage")
+    pipeline: _Finite = Field(description="micro-batches × its activation transfer")
+    dp_sync: _Finite = Field(description="exposed data-parallel gradient sync")
+    bubble: _Finite = Field(description="(pp − 1) pipeline fill and drain slots")
 
 
 class SolverReport(_Model):
@@ -97,17 +108,65 @@ class RankInfo:
     gpu: int
 
 
+def _digest(doc: Any) -> str:
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+#: Job fields that do not change what a plan predicts: a plan stays valid when they change.
+_FREE_TRAIN_FIELDS = ("steps", "lr", "seed")
+
+
+def job_digest(job: JobSpec) -> str:
+    """A fingerprint of what a plan for `job` depends on: its name, model, batch and dtype,
+    layout, GPU budget, compression and constraints (not steps, learning rate, seed or
+    priority, which a plan does not predict from)."""
+    doc = job.model_dump(mode="json", exclude={"priority"})
+    for name in _FREE_TRAIN_FIELDS:
+        doc["train"].pop(name, None)
+    return _digest(doc)
+
+
+def topology_digest(topology: Topology) -> str:
+    return _digest(topology.model_dump(mode="json"))
+
+
+class Binding(_Model):
+    """What a plan was made for: a launch checks it before any process group exists."""
+
+    job_digest: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="`job_digest` of the job the plan places"
+    )
+    topology_digest: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="the topology the scheduler placed it on"
+    )
+    sites: list[Name] = Field(max_length=100_000, description="the sites of that topology")
+
+    @classmethod
+    def of(cls, job: JobSpec, topology: Topology) -> Binding:
+        return cls(
+            job_digest=job_digest(job),
+            topology_digest=topology_digest(topology),
+            sites=[s.name for s in topology.sites],
+        )
+
+
 class Plan(_Model):
     job: str
+    binding: Binding | None = Field(
+        default=None, description="the job and topology it was made for (set by the scheduler)"
+    )
     objective: str = "wan_bytes"
     parallel: ParallelSpec
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
-    micro_batches: int = Field(ge=1, description="micro-batches per replica per iteration")
+    micro_batches: int = Field(
+        ge=1, le=INT32_MAX, description="micro-batches per replica per iteration"
+    )
     shards: list[ShardPlacement]
     bytes_per_iteration: BytesPerIteration
-    predicted_iteration_seconds: float = Field(ge=0)
+    predicted_iteration_seconds: _Finite
     breakdown: Breakdown
-    price_per_hour: float = Field(ge=0)
+    price_per_hour: _Finite
     solver: SolverReport
     runners_up: list[Alternative] = Field(default_factory=list)
 
@@ -121,13 +180,44 @@ class Plan(_Model):
                 f"shards: need exactly one entry per (replica, stage) for dp={par.dp}, "
                 f"pp={par.pp}; got {len(got)} entries"
             )
+        held: dict[tuple[str, str, int], tuple[int, int]] = {}
         for s in self.shards:
             if len(s.gpus) != par.tp or len(set(s.gpus)) != par.tp:
                 raise ValueError(
                     f"shards: replica {s.replica} stage {s.stage} lists {s.gpus}, "
                     f"needs {par.tp} distinct GPUs (tp)"
                 )
+            for gpu in s.gpus:
+                other = held.setdefault((s.site, s.node, gpu), (s.replica, s.stage))
+                if other != (s.replica, s.stage):
+                    raise ValueError(
+                        f"shards: replica {s.replica} stage {s.stage} and replica {other[0]} "
+                        f"stage {other[1]} both use GPU {gpu} of {s.site}/{s.node}"
+                    )
+            if self.binding is not None and s.site not in self.binding.sites:
+                raise ValueError(
+                    f"shards: replica {s.replica} stage {s.stage} is on site {s.site!r}, "
+                    "which is not in the topology the plan was made for"
+                )
         return self
+
+    def digest(self) -> str:
+        """A fingerprint of the whole plan (checkpoints and launches name it)."""
+        return _digest(self.model_dump(mode="json"))
+
+    def problem_with(self, job: JobSpec) -> str | None:
+        """Why this plan cannot run `job`, as 'field: reason', or None."""
+        if self.job != job.name:
+            return f"job: the plan is for job {self.job!r}, the job file is {job.name!r}"
+        if self.binding is None:
+            return "binding: missing (make the plan with cpn plan, which binds it to its job)"
+        if self.binding.job_digest != job_digest(job):
+            return (
+                "binding.job_digest: the plan was made for another version of job "
+                f"{job.name!r} (model, batch, layout, compression or constraints differ); "
+                "plan it again"
+            )
+        return None
 
     def shard(self, replica: int, stage: int) -> ShardPlacement:
         for s in self.shards:

@@ -10,14 +10,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-#: Names of sites and nodes end up in link keys ("a|b"), file names and URLs.
-Name = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", min_length=1, max_length=64)
-]
+from cpn.contracts.limits import (
+    MAX_GPU_MEMORY_GB,
+    MAX_GPUS_PER_NODE,
+    MAX_NICS_PER_NODE,
+    MAX_TFLOPS,
+    Gbps,
+    Label,
+    Milliseconds,
+    Name,
+    Price,
+)
 
 
 class RdmaTransport(StrEnum):
@@ -42,24 +48,31 @@ class _Strict(BaseModel):
 
 
 class GpuSpec(_Strict):
-    model: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    count: int = Field(ge=1, le=1024, description="GPUs in one node")
-    memory_gb: float = Field(gt=0, description="memory of one GPU, GiB")
-    tflops: float = Field(gt=0, description="peak dense TFLOP/s of one GPU in the job's dtype")
+    model: Label
+    count: int = Field(ge=1, le=MAX_GPUS_PER_NODE, description="GPUs in one node")
+    memory_gb: float = Field(
+        gt=0, le=MAX_GPU_MEMORY_GB, allow_inf_nan=False, description="memory of one GPU, GiB"
+    )
+    tflops: float = Field(
+        gt=0,
+        le=MAX_TFLOPS,
+        allow_inf_nan=False,
+        description="peak dense TFLOP/s of one GPU in the job's dtype",
+    )
 
 
 class RdmaNicSpec(_Strict):
-    device: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    device: Label
     transport: RdmaTransport
-    rate_gbps: float = Field(gt=0)
+    rate_gbps: Gbps
 
 
 class NodeSpec(_Strict):
     name: Name
     count: int = Field(default=1, ge=1, le=100_000, description="identical nodes")
     gpu: GpuSpec
-    intra_node_gbps: float = Field(gt=0, description="GPU-to-GPU bandwidth inside a node")
-    rdma: list[RdmaNicSpec] = Field(default_factory=list)
+    intra_node_gbps: Gbps = Field(description="GPU-to-GPU bandwidth inside a node")
+    rdma: list[RdmaNicSpec] = Field(default_factory=list, max_length=MAX_NICS_PER_NODE)
 
     def instance_names(self) -> list[str]:
         """Names of the concrete nodes this entry stands for (`name-0`, `name-1`, ...)."""
@@ -70,8 +83,8 @@ class NodeSpec(_Strict):
 
 class SiteSpec(_Strict):
     name: Name
-    gpu_price_per_hour: float = Field(default=0.0, ge=0, description="price of one GPU-hour")
-    intra_site_gbps: float = Field(gt=0, description="bandwidth between nodes of the site")
+    gpu_price_per_hour: Price = Field(default=0.0, description="price of one GPU-hour")
+    intra_site_gbps: Gbps = Field(description="bandwidth between nodes of the site")
     nodes: list[NodeSpec] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -98,10 +111,10 @@ class SiteSpec(_Strict):
 class LinkSpec(_Strict):
     a: Name
     b: Name
-    bandwidth_gbps: float = Field(gt=0)
-    latency_ms: float = Field(ge=0)
+    bandwidth_gbps: Gbps
+    latency_ms: Milliseconds
     transport: WanTransport
-    price_per_gb: float = Field(default=0.0, ge=0, description="egress price per GB crossing")
+    price_per_gb: Price = Field(default=0.0, description="egress price per GB crossing")
 
     @property
     def key(self) -> str:

@@ -45,7 +45,6 @@ TASK_STATES: dict[int, TaskState] = {
     pb.TASK_STATE_FAILED: TaskState.FAILED,
     pb.TASK_STATE_STOPPED: TaskState.STOPPED,
 }
-TASK_STATES_TO_PROTO: dict[TaskState, int] = {v: k for k, v in TASK_STATES.items()}
 
 
 def _lookup(table: dict[int, T], value: int, field: str, what: str) -> T:

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cpn.control.auth import BearerTokenInterceptor
 from cpn.control.dispatch import AssignmentDispatcher
+from cpn.control.handlers import add_agent_service
 from cpn.control.leases import LeaseTable, LiveLease
 from cpn.control.servicer import AgentServicer, ControlState
 from cpn.control.settings import ControlSettings
@@ -38,7 +39,7 @@ from cpn.registry.leases import (
     mark_lost,
 )
 from cpn.registry.models import utcnow
-from proto.cpn.v1 import agent_pb2, agent_pb2_grpc
+from proto.cpn.v1 import agent_pb2
 
 log = logging.getLogger("cpn.control")
 
@@ -85,7 +86,7 @@ class ControlServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.state), server)
+        add_agent_service(AgentServicer(self.state), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -143,6 +144,10 @@ class ControlServer:
         kind = assignment.WhichOneof("order") or "unknown"
         job_id = assignment.launch.job_id if kind == "launch" else assignment.stop.job_id
         message = f"{kind} order {assignment.order_id} for job {job_id} queued for {agent_id}"
+        data: dict[str, object] = {"order_id": assignment.order_id, "kind": kind}
+        if kind == "launch":
+            # What a task status from this agent may refer to (cpn.control.references).
+            data["ranks"] = [r.rank for r in assignment.launch.ranks if r.site == site]
 
         def write() -> None:
             with self.state.registry.write() as session:
@@ -153,7 +158,7 @@ class ControlServer:
                     site=site,
                     agent_id=agent_id,
                     job_id=job_id,
-                    data={"order_id": assignment.order_id, "kind": kind},
+                    data=data,
                 )
 
         task = asyncio.ensure_future(self.state.run_db(write))

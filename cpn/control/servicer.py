@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 import grpc
@@ -24,17 +23,18 @@ from grpc import aio
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from cpn.control import validation
+from cpn.control import references, task_output, validation
 from cpn.control.auth import authenticated_site
+from cpn.control.db_status import database_status
 from cpn.control.dispatch import AssignmentDispatcher
-from cpn.control.errors import InvalidField
+from cpn.control.errors import InvalidField, clip_details, quote
 from cpn.control.leases import LeaseTable, LiveLease
 from cpn.control.settings import ControlSettings
 from cpn.control.tokens import SiteTokens
 from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
 from cpn.registry.inventory import AgentRegistration, NodeOwnedError, Registered, register_agent
-from cpn.registry.leases import LinkSample
+from cpn.registry.job_output import StepRecord, record_task_output
 from cpn.registry.models import Task, TaskState, utcnow
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
@@ -63,6 +63,8 @@ class TaskReport:
     checkpoint_id: str
     exit_code: int
     message: str
+    steps: tuple[StepRecord, ...] = ()
+    log_lines: tuple[str, ...] = ()
 
 
 @dataclass
@@ -78,15 +80,18 @@ class ControlState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="cpn-db")
     )
     task_listeners: list[Callable[[TaskReport], None]] = field(default_factory=list)
+    heartbeats: int = 0  # received since start (Prometheus /metrics)
 
     async def run_db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
             call = functools.partial(fn, *args, **kwargs)
             return await asyncio.get_running_loop().run_in_executor(self.db, call)
         except SQLAlchemyError as exc:
-            # The database is down or overloaded: a transient condition agents retry.
-            log.exception("registry write failed")
-            raise _Denied(grpc.StatusCode.UNAVAILABLE, "registry unavailable; retry") from exc
+            # UNAVAILABLE only when retrying can help (the database is down or busy); an
+            # error the request caused must not send a client into endless retries.
+            code, details = database_status(exc)
+            log.error("registry write failed (%s)", code.name, exc_info=exc)
+            raise _Denied(code, details) from exc
 
 
 class _Denied(Exception):
@@ -103,15 +108,15 @@ def _authorize(site: str) -> None:
     if site and site != token_site:
         raise _Denied(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"site: this token is for site {token_site!r}, not {site!r}",
+            f"site: this token is for site {token_site!r}, not {quote(site)}",
         )
 
 
 async def _abort(context: Context, exc: Exception) -> NoReturn:
     if isinstance(exc, InvalidField):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip_details(str(exc)))
     if isinstance(exc, _Denied):
-        await context.abort(exc.code, str(exc))
+        await context.abort(exc.code, clip_details(str(exc)))
     raise exc
 
 
@@ -163,7 +168,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             registered = await self.s.run_db(self._register_tx, reg, lease_id, ttl_ms)
         except NodeOwnedError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{exc.field}: {exc}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, clip_details(f"{exc.field}: {exc}")
+            )
         except _Denied as exc:
             await _abort(context, exc)
         lease = LiveLease(
@@ -208,20 +215,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """One heartbeat, unary or on a stream: check it, renew the lease in memory."""
         _authorize(request.site)
-        health = validation.heartbeat_request(request)
+        beat = validation.heartbeat_request(request, known_sites=self.s.tokens.settings)
+        self.s.heartbeats += 1
         lease = self._live_lease(request.site, request.agent_id, request.lease_id)
-        links = [
-            LinkSample(
-                link.peer_site,
-                link.bandwidth_gbps,
-                link.rtt_ms,
-                datetime.fromtimestamp(link.measured_at_unix_ms / 1000, UTC)
-                if link.measured_at_unix_ms > 0
-                else utcnow(),
-            )
-            for link in request.links
-        ]
-        self.s.leases.renew(lease, time.monotonic(), health, request.gpus, links)
+        validation.usage_references(request.gpus, lease.gpu_ids)
+        self.s.leases.renew(lease, time.monotonic(), beat.health, request.gpus, beat.links)
         version = self.s.leases.peers_version
         response = pb.HeartbeatResponse(
             lease_ttl_ms=int(lease.ttl_s * 1000),
@@ -269,6 +267,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             _authorize(request.site)
             state = validation.task_status_request(request)
+            steps = task_output.steps(request)
+            log_lines = task_output.log_lines(request)
             self._live_lease(request.site, request.agent_id, request.lease_id)
         except (InvalidField, _Denied) as exc:
             await _abort(context, exc)
@@ -286,10 +286,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             checkpoint_id=request.checkpoint_id,
             exit_code=request.exit_code,
             message=request.message,
+            steps=steps,
+            log_lines=log_lines,
         )
         try:
             await self.s.run_db(self._task_tx, report)
-        except _Denied as exc:
+        except (InvalidField, _Denied) as exc:
             await _abort(context, exc)
         for listener in self.s.task_listeners:
             try:
@@ -300,6 +302,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     def _task_tx(self, r: TaskReport) -> None:
         with self.s.registry.write() as session:
+            references.check_task(
+                session, site=r.site, agent_id=r.agent_id, job_id=r.job_id, rank=r.rank
+            )
             task = session.scalar(select(Task).where(Task.job_id == r.job_id, Task.rank == r.rank))
             previous = task.state if task is not None else None
             if task is None:
@@ -319,6 +324,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             task.exit_code = r.exit_code if r.state in _FINAL else None
             task.message = r.message
             task.updated_at = utcnow()
+            session.flush()
+            record_task_output(
+                session, task, r.steps, r.log_lines, keep_lines=self.s.settings.log_lines_kept
+            )
             if previous != r.state:
                 record_event(
                     session,

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, RootModel, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, RootModel, StringConstraints, ValidationError
 
+from cpn.contracts.limits import Gbps, Price
 from cpn.contracts.loading import format_location
 from cpn.errors import InputError
 from cpn.registry.inventory import SiteSettings
@@ -36,8 +37,9 @@ class _SiteEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     token: Annotated[str, StringConstraints(min_length=MIN_TOKEN_LENGTH, max_length=512)]
-    gpu_price_per_hour: float = Field(default=0.0, ge=0)
-    intra_site_gbps: float | None = Field(default=None, gt=0)
+    # The same bounds as the topology contract: these values become the scheduler's view.
+    gpu_price_per_hour: Price = 0.0
+    intra_site_gbps: Gbps | None = None
 
 
 class _TokensFile(RootModel[dict[str, _SiteEntry]]):

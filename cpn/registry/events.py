@@ -21,6 +21,8 @@ class EventKind(StrEnum):
     RELEASED = "released"
     ORDER_QUEUED = "order_queued"
     TASK_STATE = "task_state"
+    JOB_SUBMITTED = "job_submitted"
+    JOB_STATE = "job_state"  # a job's state changed; data: {"from", "to", "reason"}
 
 
 def record_event(

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Enum,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -70,15 +71,33 @@ class GpuStatus(StrEnum):
 
 
 class JobState(StrEnum):
-    """DESIGN.md §8; the service layer drives the transitions."""
+    """A job's life (DESIGN.md §8). cpn/orchestration drives every transition and writes
+    each one as an event row with its reason (cpn/orchestration/states.py)."""
 
+    #: Accepted and queued: waiting for the GPUs it needs (its `state_reason` says which).
     PENDING = "pending"
+    #: Admitted: plan, GPU allocations and WAN reservations written in one transaction,
+    #: launch orders sent to the agents holding its shards; not every rank runs yet.
     SCHEDULED = "scheduled"
+    #: Every rank reported running.
     RUNNING = "running"
+    #: Every rank ended with exit code 0.
     SUCCEEDED = "succeeded"
+    #: A rank failed (its rank, exit code and last log lines are in `failure`), or the
+    #: launch could not be carried out; the other ranks were stopped.
     FAILED = "failed"
+    #: Cancelled by its tenant or an admin; every worker was told to stop.
     CANCELLED = "cancelled"
+    #: Lost part of its placement (an agent's lease expired) and waits to be planned
+    #: again from its last checkpoint. Reserved for the failure-recovery work.
     RESCHEDULING = "rescheduling"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_JOB_STATES
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 
 class TaskState(StrEnum):
@@ -259,21 +278,143 @@ class WanLink(Base):
     peer_site: Mapped[Site] = relationship(foreign_keys=[peer_site_id])
 
 
+class Tenant(Base):
+    """Who jobs belong to. A tenant sees only its own jobs; `gpu_quota` caps the GPUs its
+    unfinished jobs may ask for together (None: no cap)."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    gpu_quota: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    api_keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+
+
+class Role(StrEnum):
+    USER = "user"  # its own tenant's jobs only
+    ADMIN = "admin"  # every tenant's jobs
+
+
+class ApiKey(Base):
+    """An API key: only its SHA-256 digest is stored (the key itself is shown once, when
+    made). Keys are 256-bit random strings, so a fast digest is enough: there is nothing
+    for a slow password hash to protect against guessing."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)  # shown in lists, revokes
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    role: Mapped[Role] = mapped_column(_enum(Role), default=Role.USER)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+
 class Job(Base):
-    """A training job. This issue needs only what allocations and tasks refer to; the
-    service layer adds the rest (tenant, quotes, history)."""
+    """A training job, from submission to its end. The plan, the GPU allocations and the
+    WAN reservations are written in one transaction when it is admitted."""
 
     __tablename__ = "jobs"
+    __table_args__ = (UniqueConstraint("tenant_id", "idempotency_key"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
-    state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.PENDING)
+    state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.PENDING, index=True)
+    #: Why it is in its state: what it waits for, why it failed, who cancelled it.
+    state_reason: Mapped[str] = mapped_column(Text, default="")
     spec: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    gpus: Mapped[int] = mapped_column(Integer, default=0)  # asked for: counts to the quota
+    idempotency_key: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    request_hash: Mapped[str] = mapped_column(String(64), default="")
+    #: A quote's plan to use if it still fits (candidate index in the quote).
+    quote_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    quote_candidate: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    rendezvous_host: Mapped[str] = mapped_column(String(256), default="")
+    rendezvous_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: Set when a failure ends it: {"rank", "exit_code", "message", "last_lines"}.
+    failure: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    scheduled_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
     allocations: Mapped[list[Allocation]] = relationship(back_populates="job")
+    tenant: Mapped[Tenant | None] = relationship()
+
+
+class Quote(Base):
+    """Ranked candidate plans for a job, as offered: nothing is reserved."""
+
+    __tablename__ = "quotes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    candidates: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+
+
+class RendezvousPort(Base):
+    """The torch.distributed rendezvous endpoint of a live job. UNIQUE (host, port): two
+    live jobs never share one, whoever admits them."""
+
+    __tablename__ = "rendezvous_ports"
+    __table_args__ = (UniqueConstraint("host", "port"),)
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    host: Mapped[str] = mapped_column(String(256))
+    port: Mapped[int] = mapped_column(Integer)
+
+
+#: Row ids that may grow past 2³¹ on PostgreSQL; SQLite autoincrements only INTEGER keys.
+_BIG_ID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class JobLogLine(Base):
+    """A line a worker printed, forwarded by its agent; the newest lines per rank are kept."""
+
+    __tablename__ = "job_log_lines"
+    __table_args__ = (Index("ix_job_log_lines_job_rank", "job_id", "rank", "id"),)
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    line: Mapped[str] = mapped_column(Text)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobStep(Base):
+    """One training step of a job, summed over the ranks that reported it: the per-step
+    series of GET /v1/jobs/{id}/metrics."""
+
+    __tablename__ = "job_steps"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    ranks: Mapped[int] = mapped_column(Integer, default=0)  # how many reported it
+    loss_sum: Mapped[float] = mapped_column(Float, default=0.0)
+    loss_count: Mapped[int] = mapped_column(Integer, default=0)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)  # the slowest rank's
+    bytes_intra_node: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_intra_site: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_wan: Mapped[int] = mapped_column(BigInteger, default=0)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Allocation(Base):
@@ -323,6 +464,9 @@ class Task(Base):
     checkpoint_id: Mapped[str] = mapped_column(String(256), default="")
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
+    #: Per-step records taken so far (the next step expected): a batch the agent sends
+    #: twice (its reply was lost) is not counted twice.
+    metrics_steps: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cpn.contracts.plan import (
     Alternative,
+    Binding,
     Breakdown,
     BytesPerIteration,
     Plan,
@@ -165,6 +166,7 @@ def to_plan(
     w = inst.workload
     return Plan(
         job=w.job.name,
+        binding=Binding.of(w.job, inst.topology),
         objective=objective,
         parallel=w.parallel,
         compression=w.job.compression,

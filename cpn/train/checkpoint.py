@@ -1,68 +1,188 @@
-"""Per-worker checkpoints, written atomically, and the marker that makes a step complete.
+"""Where checkpoints live and what makes one usable: a store of `torch.distributed.checkpoint`
+directories, one per step, each with a COMPLETE marker and a small description.
 
-Layout: `DIR/step-00000100/rank-00003.pt` for every worker, then `DIR/step-00000100/COMPLETE`
-written by rank 0 once every worker has written its file (after a barrier). Each file is
-written to a temporary name and renamed, so a crash never leaves a half-written file
-under the real name, and a step without COMPLETE is ignored on resume.
+A store is a directory or an fsspec URL (`file:///…`, `s3://…`, any filesystem fsspec
+knows) that every site can reach. Layout:
 
-A worker's file holds its shard of the model, its optimizer state, its gradient-sync
-state (top-k residuals differ from worker to worker), the step and the RNG states: what
-it takes to continue the same trajectory exactly.
+    STORE/step-00000100/.metadata, __0_0.distcp, …   written by torch.distributed.checkpoint
+    STORE/step-00000100/cpn.json                      what wrote it (model, layout, plan)
+    STORE/step-00000100/COMPLETE                      last: the step is whole
+
+Tensors are keyed by parameter name and global offsets (`cpn.train.state`), not by rank,
+so a run with a different dp × tp × pp loads them. A step without COMPLETE is ignored; a
+missing, incomplete or corrupt checkpoint, or one of another model, is a one-line
+`InputError` naming the file.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
+# torch.distributed.checkpoint's own fsspec storage (it has no public import path yet).
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from cpn.contracts.job import JobSpec
+from cpn.contracts.plan import Plan
 from cpn.errors import InputError
 
 MARKER = "COMPLETE"
+INFO = "cpn.json"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint holds, written beside it (`cpn.json`)."""
+
+    step: int
+    job: str
+    model: dict[str, int]  # the job's model spec: a checkpoint fits only the same model
+    parallel: dict[str, int]  # the layout that wrote it (dp, tp, pp)
+    sites: list[str]  # the sites of the plan that wrote it
+    plan_digest: str
+    compression: str  # the job's WAN compression ("none", "fp16", "topk")
+
+    @classmethod
+    def of(cls, step: int, job: JobSpec, plan: Plan) -> CheckpointInfo:
+        return cls(
+            step=step,
+            job=job.name,
+            model=job.model.model_dump(),
+            parallel=plan.parallel.model_dump(),
+            sites=plan.sites_used(),
+            plan_digest=plan.digest(),
+            compression=job.compression.wan.value,
+        )
 
 
-def rank_file(root: Path, step: int, rank: int) -> Path:
-    return step_dir(root, step) / f"rank-{rank:05d}.pt"
+class CheckpointStore:
+    """The checkpoints of one run, under a directory or an fsspec URL."""
+
+    def __init__(self, url: str) -> None:
+        if not url:
+            raise InputError("--checkpoint-store: empty")
+        self.url = url.rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        except (ValueError, ImportError) as exc:
+            raise InputError(f"--checkpoint-store: {url}: {exc}") from None
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def step_path(self, step: int) -> str:
+        return f"{self.root}/step-{step:08d}"
+
+    def _step_url(self, step: int) -> str:
+        return self.step_path(step) if self.local else f"{self.url}/step-{step:08d}"
+
+    # -- writing ---------------------------------------------------------------------------
+    def writer(self, step: int) -> StorageWriter:
+        if self.local:
+            return FileSystemWriter(self.step_path(step))
+        return FsspecWriter(self._step_url(step))
+
+    def mark_complete(self, info: CheckpointInfo) -> None:
+        """Describe the step and mark it whole (rank 0, once every rank's part is written)."""
+        base = self.step_path(info.step)
+        self.fs.pipe_file(f"{base}/{INFO}", json.dumps(asdict(info), indent=1).encode())
+        self.fs.pipe_file(f"{base}/{MARKER}", f"{info.step}\n".encode())
+
+    # -- reading ---------------------------------------------------------------------------
+    def complete_steps(self) -> list[int]:
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise InputError(f"checkpoint store {self.url}: cannot list ({exc})") from None
+        steps = []
+        for entry in entries:
+            m = STEP_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if m and self.fs.exists(f"{entry}/{MARKER}"):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_complete(self) -> int | None:
+        steps = self.complete_steps()
+        return steps[-1] if steps else None
+
+    def reader(self, step: int) -> StorageReader:
+        if self.local:
+            return FileSystemReader(self.step_path(step))
+        return FsspecReader(self._step_url(step))
+
+    def info(self, step: int) -> CheckpointInfo:
+        path = f"{self.step_path(step)}/{INFO}"
+        try:
+            doc: Any = json.loads(self.fs.cat_file(path))
+            return CheckpointInfo(**doc)
+        except FileNotFoundError:
+            raise InputError(f"checkpoint {path}: missing (an incomplete checkpoint?)") from None
+        except (OSError, ValueError, TypeError) as exc:
+            raise InputError(f"checkpoint {path}: unreadable ({exc})") from None
+
+    def check_files(self, step: int) -> None:
+        """Every data file the index names is there and long enough (a copy cut short,
+        a file lost on the way): a one-line error naming the file, before any worker."""
+        metadata = self.metadata(step)
+        needed: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            path = getattr(info, "relative_path", None)
+            if isinstance(path, str):
+                end = int(info.offset) + int(info.length)
+                needed[path] = max(needed.get(path, 0), end)
+        for name, end in sorted(needed.items()):
+            path = f"{self.step_path(step)}/{name}"
+            size = _size(self.fs, path)
+            if size is None:
+                raise InputError(f"checkpoint {path}: missing (an incomplete copy?)")
+            if size < end:
+                raise InputError(f"checkpoint {path}: truncated ({size} bytes, {end} expected)")
+
+    def metadata(self, step: int) -> Metadata:
+        """The tensor index torch.distributed.checkpoint wrote (names, shapes, offsets)."""
+        path = f"{self.step_path(step)}/.metadata"
+        try:
+            return self.reader(step).read_metadata()
+        except FileNotFoundError:
+            raise InputError(f"checkpoint {path}: missing (an incomplete checkpoint?)") from None
+        except Exception as exc:  # unpickling garbage raises anything; name the file
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"checkpoint {path}: corrupt ({first})") from None
 
 
-def save(root: Path, step: int, rank: int, state: dict[str, Any]) -> None:
-    path = rank_file(root, step, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def mark_complete(root: Path, step: int) -> None:
-    marker = step_dir(root, step) / MARKER
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(f"{step}\n")
-    os.replace(tmp, marker)
-
-
-def latest_complete(root: Path) -> int | None:
-    """The last step with a complete checkpoint, or None."""
-    if not root.is_dir():
+def _size(fs: Any, path: str) -> int | None:
+    try:
+        return int(fs.size(path))
+    except (OSError, ValueError, TypeError):
         return None
-    steps = [
-        int(m.group(1))
-        for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file()
-    ]
-    return max(steps, default=None)
 
 
-def load(root: Path, step: int, rank: int) -> dict[str, Any]:
-    path = rank_file(root, step, rank)
-    if not path.is_file():
-        raise InputError(f"checkpoint {path}: missing (written by a different layout?)")
-    state: dict[str, Any] = torch.load(path, weights_only=False)
-    return state
+def check_resumable(store: CheckpointStore, job: JobSpec) -> int:
+    """The step a run of `job` resumes from; InputError if there is none it can use."""
+    step = store.latest_complete()
+    if step is None:
+        raise InputError(f"--resume: no complete checkpoint in {store}")
+    info = store.info(step)
+    if info.model != job.model.model_dump():
+        raise InputError(
+            f"checkpoint {store.step_path(step)}/{INFO}: written for another model "
+            f"({_model_text(info.model)}), this job trains {_model_text(job.model.model_dump())}"
+        )
+    store.check_files(step)
+    return step
+
+
+def _model_text(model: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in model.items())

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 CORPUS_BYTES = 4 << 20  # 4 MiB
+CPU = torch.device("cpu")
 WORDS = 3000
 SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "ch", "qu", "st"]
 
@@ -76,6 +77,7 @@ class BatchSource:
     micro_batch: int
     dp: int
     seed: int = 0
+    device: torch.device = CPU  # where the batches are made
 
     @property
     def micro_batches(self) -> int:
@@ -87,7 +89,7 @@ class BatchSource:
         g = np.random.default_rng([self.seed, step])
         offsets = g.integers(0, len(data) - self.seq_len - 1, size=self.global_batch)
         rows = np.stack([data[o : o + self.seq_len + 1] for o in offsets]).astype(np.int64)
-        tokens = torch.from_numpy(rows)
+        tokens = torch.as_tensor(rows, device=self.device)
         return tokens % self.vocab if self.vocab < 256 else tokens
 
     def for_replica(self, step: int, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

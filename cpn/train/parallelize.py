@@ -28,17 +28,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cpn.comm import Member, Traffic
+from cpn.comm.collectives import all_reduce
 from cpn.gpt_shapes import padded_vocab
-from cpn.train.comms import ByteCounters, Group, all_reduce
 from cpn.train.model import Block, GPTStage
 
 
 @dataclass
 class TensorParallel:
-    """What tensor-parallel modules need: the group, the counters, the wire dtype."""
+    """What tensor-parallel modules need: the group, the byte counter, the wire dtype."""
 
-    group: Group
-    counters: ByteCounters
+    group: Member
+    traffic: Traffic
     wire_dtype: torch.dtype
 
     @property
@@ -55,9 +56,14 @@ class TensorParallel:
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
         wire_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        return all_reduce(
-            x, self.group, self.counters, "intra_node", wire_dtype or self.wire_dtype, op
+        """Sum (or `op`) over the tensor-parallel group, sent in the wire dtype (a new tensor)."""
+        if self.group.size == 1:
+            return x.clone()
+        sent = x.detach().to(wire_dtype or self.wire_dtype)
+        total = all_reduce(
+            sent, self.group, self.traffic, "intra_node", op=op, what="tensor-parallel all-reduce"
         )
+        return total.to(x.dtype)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -143,7 +149,7 @@ class _ParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         logits = logits.float()
         width = logits.shape[1]
-        columns = torch.arange(start, start + width)
+        columns = torch.arange(start, start + width, device=logits.device)
         logits = logits.masked_fill(columns >= vocab, float("-inf"))  # padded entries
         peak = tp.all_reduce(logits.max(dim=1).values, dist.ReduceOp.MAX, torch.float32)
         shifted = logits - peak.unsqueeze(1)
@@ -152,8 +158,8 @@ class _ParallelCrossEntropy(torch.autograd.Function):
         local = targets - start
         mine = (local >= 0) & (local < width)
         index = local.clamp(0, width - 1)
-        rows = torch.arange(len(targets))
-        picked = torch.where(mine, shifted[rows, index], torch.zeros(()))
+        rows = torch.arange(len(targets), device=logits.device)
+        picked = torch.where(mine, shifted[rows, index], torch.zeros((), device=logits.device))
         picked = tp.all_reduce(picked, wire_dtype=torch.float32)
         loss = total.log() - picked
         ctx.save_for_backward(exp / total.unsqueeze(1), mine, index)
@@ -163,7 +169,7 @@ class _ParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         softmax, mine, index = ctx.saved_tensors
         g = softmax.clone()
-        rows = torch.arange(len(index))
+        rows = torch.arange(len(index), device=g.device)
         g[rows, index] -= mine.to(g.dtype)
         return g * (grad / len(index)), None, None, None, None
 
@@ -236,3 +242,55 @@ def parallelize(stage: GPTStage, tp: TensorParallel) -> GPTStage:
             table[r * part : (r + 1) * part], r * part, vocab, tp
         )
     return stage
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one parameter of this worker's shard sits in the whole model's parameter.
+
+    Checkpoints store whole parameters (`torch.distributed.checkpoint`, keyed by name and
+    global offsets) so that any dp × tp × pp layout can load any other's. A shard's local
+    tensor is a `torch.chunk`-ordered piece of a *logical* whole tensor along `dim`:
+      - fused qkv rows are [q; k; v], each split by heads, so the logical shape is
+        (3, hidden, ...) split along dim 1, and the local (3·w, ...) tensor is viewed as
+        (3, w, ...);
+      - vocabulary-parallel tables are padded to a multiple of tp; the logical tensor is
+        the unpadded (vocab, hidden) table and the local view drops the padding rows
+        (they are never looked up and their logits are masked, so they stay zero);
+      - everything held whole (`dim` None) is its own logical tensor.
+    """
+
+    shape: tuple[int, ...]  # the logical whole tensor
+    dim: int | None  # the dimension split over the tensor-parallel group; None: held whole
+    fused_qkv: bool = False
+    rows: int | None = None  # vocabulary tables: the real (unpadded) rows of the local piece
+
+    def local_view(self, local: torch.Tensor) -> torch.Tensor:
+        """This worker's piece of the logical tensor, as a view of `local` (writes go through)."""
+        if self.fused_qkv:
+            return local.view(3, local.shape[0] // 3, *local.shape[1:])
+        if self.rows is not None:
+            return local[: self.rows]
+        return local
+
+
+def shard_layouts(stage: GPTStage, tp: int, tp_rank: int) -> dict[str, ShardLayout]:
+    """The `ShardLayout` of every parameter of `stage` (parallelized or not), by name."""
+    cfg, h = stage.cfg, stage.cfg.hidden
+    out: dict[str, ShardLayout] = {}
+    for name, p in stage.named_parameters():
+        leaf = name.split(".")
+        kind = ".".join(leaf[-3:-1]) if len(leaf) >= 3 else leaf[0]
+        if name in ("wte.weight", "lm_head.weight"):
+            part = padded_vocab(cfg.vocab, tp) // tp
+            rows = max(0, min(part, cfg.vocab - tp_rank * part))
+            out[name] = ShardLayout((cfg.vocab, h), 0, rows=rows)
+        elif kind == "attn.qkv":
+            out[name] = ShardLayout((3, h, *p.shape[1:]), 1, fused_qkv=True)
+        elif kind == "mlp.fc":
+            out[name] = ShardLayout((4 * h, *p.shape[1:]), 0)
+        elif kind in ("attn.proj", "mlp.proj") and leaf[-1] == "weight":
+            out[name] = ShardLayout((h, p.shape[1] * tp), 1)
+        else:  # LayerNorms, position embeddings, row-parallel biases: whole everywhere
+            out[name] = ShardLayout(tuple(p.shape), None)
+    return out

@@ -21,7 +21,8 @@ from enum import StrEnum
 import torch
 import torch.distributed as dist
 
-from cpn.train.comms import ByteCounters, Group, all_gather_flat, isend, recv
+from cpn.comm import Member, Traffic
+from cpn.comm.collectives import all_gather_flat, isend, recv, wait_all
 from cpn.train.layout import Layout
 from cpn.train.model import GPTStage
 
@@ -44,39 +45,51 @@ class StepTimes:
 class PipelineStage:
     module: GPTStage
     layout: Layout
-    tp_group: Group
-    counters: ByteCounters
+    tp_group: Member
+    traffic: Traffic
     wire_dtype: torch.dtype
+    device: torch.device
     schedule: Schedule = Schedule.ONE_F_ONE_B
+    # Sends in flight and the buffers they read from (kept alive until they complete).
     _pending: list[tuple[dist.Work | None, torch.Tensor]] = field(default_factory=list)
+    _peers: set[int] = field(default_factory=set)
 
     # -- boundary transfers -------------------------------------------------------------------
-    def _send(self, x: torch.Tensor, peer: int, times: StepTimes) -> None:
+    def _send(self, x: torch.Tensor, peer: int, what: str, times: StepTimes) -> None:
         start = time.perf_counter()
         flat = x.detach().reshape(-1).to(self.wire_dtype)
         part = flat.chunk(self.tp_group.size)[self.tp_group.position].contiguous()
-        self._pending.append(
-            (isend(part, peer, self.counters, self.layout.pipeline_class(peer)), part)
-        )
+        work = isend(part, peer, self.traffic, self.layout.pipeline_class(peer), what=what)
+        self._pending.append((work, part))
+        self._peers.add(peer)
         times.pipeline += time.perf_counter() - start
 
-    def _recv(self, shape: tuple[int, ...], peer: int, times: StepTimes) -> torch.Tensor:
+    def _recv(self, shape: tuple[int, ...], peer: int, what: str, times: StepTimes) -> torch.Tensor:
         start = time.perf_counter()
         numel = 1
         for d in shape:
             numel *= d
-        part = recv((numel // self.tp_group.size,), self.wire_dtype, peer)
-        whole = all_gather_flat(part, self.tp_group, self.counters, "intra_node")
+        part = recv(
+            (numel // self.tp_group.size,),
+            self.wire_dtype,
+            self.device,
+            peer,
+            self.traffic,
+            what=what,
+        )
+        whole = all_gather_flat(
+            part, self.tp_group, self.traffic, "intra_node", what=f"{what} (tensor-parallel gather)"
+        )
         out = whole.view(shape).to(torch.float32)
         times.pipeline += time.perf_counter() - start
         return out
 
     def _wait_sends(self, times: StepTimes) -> None:
         start = time.perf_counter()
-        for work, _ in self._pending:
-            if work is not None:
-                work.wait()
+        ranks = sorted({dist.get_rank(), *self._peers})
+        wait_all([work for work, _ in self._pending], self.traffic, ranks)
         self._pending.clear()
+        self._peers.clear()
         times.pipeline += time.perf_counter() - start
 
     # -- one step ----------------------------------------------------------------------------
@@ -102,7 +115,9 @@ class PipelineStage:
                 x = tokens
             else:
                 assert self.layout.prev_rank is not None
-                x = self._recv(shape, self.layout.prev_rank, times).requires_grad_()
+                x = self._recv(
+                    shape, self.layout.prev_rank, "pipeline receive of activations", times
+                ).requires_grad_()
             start = time.perf_counter()
             out = mod(x, targets if mod.last else None)
             times.compute += time.perf_counter() - start
@@ -111,7 +126,7 @@ class PipelineStage:
                 losses.append(float(out.detach()))
             else:
                 assert self.layout.next_rank is not None
-                self._send(out, self.layout.next_rank, times)
+                self._send(out, self.layout.next_rank, "pipeline send of activations", times)
 
         def backward(i: int) -> None:
             out = outputs[i]
@@ -121,7 +136,9 @@ class PipelineStage:
                 scaled = out / m
             else:
                 assert self.layout.next_rank is not None
-                grad = self._recv(shape, self.layout.next_rank, times)
+                grad = self._recv(
+                    shape, self.layout.next_rank, "pipeline receive of gradients", times
+                )
                 scaled = out
             start = time.perf_counter()
             torch.autograd.backward(scaled, grad)
@@ -129,7 +146,7 @@ class PipelineStage:
             x = inputs[i]
             if x is not None:
                 assert self.layout.prev_rank is not None and x.grad is not None
-                self._send(x.grad, self.layout.prev_rank, times)
+                self._send(x.grad, self.layout.prev_rank, "pipeline send of gradients", times)
             inputs[i] = outputs[i] = None  # free the activations
 
         if self.schedule is Schedule.GPIPE:

@@ -1,48 +1,56 @@
 """The training loop of one worker of a 3D-parallel plan.
 
-    rank r of a plan: build the process groups (all workers, same order), build this
-    worker's stage of the model and shard it for tensor parallelism, then per step:
-    pipeline forward/backward of the replica's micro-batches, data-parallel gradient sync
-    with the stage's slice of every other replica, AdamW step.
+    worker r of a plan: choose the device, join the process group as plan rank r, build
+    the process groups (all workers, same order), build this worker's stage of the model,
+    shard it for tensor parallelism and move it to the device; then per step: pipeline
+    forward/backward of the replica's micro-batches, data-parallel gradient sync with the
+    stage's slice of every other replica, AdamW step (skipped, as AMP skips it, when the
+    synced gradient is not finite).
 
-Launch one worker per rank (`cpn worker --plan plan.json --job job.yaml --rank R` with
-MASTER_ADDR, MASTER_PORT and WORLD_SIZE set), or all of them on this machine with
-`cpn train --plan plan.json --job job.yaml`. Gloo on CPU, NCCL where there is a GPU.
+Workers are started by `cpn.train.launcher` (torch's elastic agent): `cpn train` runs all
+of a plan's workers on this machine, a site agent those on its node. One device per worker:
+`cuda:LOCAL_RANK` among the GPUs the launcher made visible, else the CPU; the model, the
+batches and every buffer the collectives use live on it, NCCL on a GPU, gloo on the CPU.
+Every tensor that crosses between workers goes through `cpn.comm` and is counted in the
+worker's one `Traffic`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
+from cpn.comm import Traffic, new_groups
 from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, layout_problem
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
-from cpn.train import checkpoint
-from cpn.train.comms import ByteCounters
+from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable
 from cpn.train.data import BatchSource
-from cpn.train.dp import FlatAllReduce, GradientSync
-from cpn.train.layout import Layout, new_groups
+from cpn.train.data_parallel import DP_SYNCS, DataParallelSync, DpSync
+from cpn.train.layout import Layout
 from cpn.train.model import GPTConfig, GPTStage
-from cpn.train.parallelize import TensorParallel, parallelize
+from cpn.train.parallelize import TensorParallel, parallelize, shard_layouts
 from cpn.train.pipeline import PipelineStage, Schedule, StepTimes
-from cpn.train.wan_sync import HierarchicalSync
+from cpn.train.snapshot import WorkerSnapshot
+
+log = logging.getLogger("cpn.train")
 
 WIRE_DTYPES = {Dtype.FP32: torch.float32, Dtype.BF16: torch.bfloat16, Dtype.FP16: torch.float16}
-
-#: Called with each step's metrics (the agent forwards them to the control plane).
-StepCallback = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -50,21 +58,23 @@ class TrainOptions:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     #: "hierarchical": cpn.comm's site-aware sync with the job's WAN compression;
     #: "flat": one ring over all replicas (the DDP baseline).
-    dp_sync: str = "hierarchical"
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0  # steps; 0: only at the end when a directory is given
+    dp_sync: DpSync = "hierarchical"
+    checkpoint_store: str | None = None  # a directory or an fsspec URL
+    checkpoint_every: int = 0  # steps; 0: only at the end when a store is given
+    async_checkpoint: bool = True  # write in the background while training goes on
     resume: bool = False
     stop_after: int | None = None  # run up to this step (exclusive) instead of train.steps
     metrics_path: Path | None = None  # JSON lines per step; "-" for standard output
-    timeout_s: float = 300.0
-    on_step: StepCallback | None = field(default=None, repr=False)
+    timeout_s: float = 300.0  # how long a collective waits for a peer
+    device: str | None = None  # "cpu", "cuda", "cuda:N"; None: cuda:LOCAL_RANK if any, else cpu
 
 
 def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: TrainOptions) -> None:
     """Everything that can be wrong with a launch, before any process group exists."""
     par = plan.parallel
-    if plan.job != job.name:
-        raise InputError(f"plan: it is for job {plan.job!r}, the job file is {job.name!r}")
+    problem = plan.problem_with(job)
+    if problem:
+        raise InputError(f"plan: {problem}")
     if isinstance(job.parallel, ParallelSpec) and job.parallel != par:
         p = job.parallel
         raise InputError(
@@ -80,13 +90,34 @@ def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: Tra
         )
     if not 0 <= rank < world_size:
         raise InputError(f"--rank: {rank} is not in 0..{world_size - 1}")
-    if opts.dp_sync not in {"hierarchical", "flat"}:
-        raise InputError(f"--dp-sync: {opts.dp_sync!r} is not one of hierarchical, flat")
+    if opts.dp_sync not in DP_SYNCS:
+        raise InputError(f"--dp-sync: {opts.dp_sync!r} is not one of {', '.join(DP_SYNCS)}")
+    choose_device(opts.device, 0)
     if opts.resume:
-        if opts.checkpoint_dir is None:
-            raise InputError("--resume: needs --checkpoint-dir")
-        if checkpoint.latest_complete(opts.checkpoint_dir) is None:
-            raise InputError(f"--resume: no complete checkpoint in {opts.checkpoint_dir}")
+        if opts.checkpoint_store is None:
+            raise InputError("--resume: needs --checkpoint-store")
+        check_resumable(CheckpointStore(opts.checkpoint_store), job)
+
+
+def choose_device(requested: str | None, local_rank: int) -> torch.device:
+    """The one device a worker uses: as asked, else its GPU if it has one, else the CPU."""
+    if requested is not None:
+        try:
+            device = torch.device(requested)
+        except RuntimeError:
+            raise InputError(
+                f"--device: {requested!r} is not a device (cpu, cuda, cuda:N)"
+            ) from None
+        if device.type not in ("cpu", "cuda"):
+            raise InputError(f"--device: {requested!r}: only cpu and cuda are supported")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InputError(f"--device: {requested!r}, but no GPU is visible to this worker")
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def learning_rate(base: float, step: int, total: int) -> float:
@@ -102,33 +133,50 @@ class Trainer:
     def __init__(self, plan: Plan, job: JobSpec, rank: int, opts: TrainOptions) -> None:
         self.plan, self.job, self.rank, self.opts = plan, job, rank, opts
         self.layout = Layout(plan, rank)
-        self.counters = ByteCounters()
+        self.traffic = Traffic()
         self.wire_dtype = WIRE_DTYPES[job.train.dtype]
+        self.device = choose_device(opts.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.store = CheckpointStore(opts.checkpoint_store) if opts.checkpoint_store else None
+        self._saving: Future[Any] | None = None
+        self._saving_step = 0
+        self._checkpoint_group: dist.ProcessGroup | None = None
 
     # -- set-up ----------------------------------------------------------------------------
-    def _init_process_group(self) -> None:
+    def start(self) -> None:
+        """Join the process group as this worker's plan rank and build everything."""
         if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             dist.init_process_group(
-                backend,
+                "nccl" if self.device.type == "cuda" else "gloo",
                 rank=self.rank,
                 world_size=self.layout.world,
                 timeout=timedelta(seconds=self.opts.timeout_s),
             )
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.layout.me.gpu % torch.cuda.device_count())
+        self._build()
 
     def _build(self) -> None:
-        layout, job = self.layout, self.job
-        tp_group = new_groups(layout.tp_groups, self.rank)
-        self.sync = self._gradient_sync()
-        cfg = GPTConfig.of(job.model)
-        stage = GPTStage(cfg, layout.me.stage, self.plan.parallel.pp, seed=job.train.seed)
-        tp = TensorParallel(tp_group, self.counters, self.wire_dtype)
-        self.module = parallelize(stage, tp)
-        self.pipeline = PipelineStage(
-            self.module, layout, tp_group, self.counters, self.wire_dtype, self.opts.schedule
+        layout, job, timeout = self.layout, self.job, timedelta(seconds=self.opts.timeout_s)
+        # Collective, in the same order on every worker: tensor-parallel groups, then the
+        # data-parallel sync's groups, then (when checkpoints are written in the
+        # background) a gloo group of their own, so that they never interleave with
+        # training collectives.
+        tp_group = new_groups(layout.tp_groups, timeout=timeout)
+        self.sync = DataParallelSync(
+            layout, job, self.traffic, self.wire_dtype, timeout, mode=self.opts.dp_sync
         )
+        if self.store is not None and self.opts.async_checkpoint:
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+        cfg = GPTConfig.of(job.model)
+        # Built on the CPU from seeded generators (the same weights on any device), then
+        # sliced for tensor parallelism and moved to the worker's device.
+        stage = GPTStage(cfg, layout.me.stage, self.plan.parallel.pp, seed=job.train.seed)
+        tp = TensorParallel(tp_group, self.traffic, self.wire_dtype)
+        self.module = parallelize(stage, tp).to(self.device)
+        self.pipeline = PipelineStage(
+            self.module, layout, tp_group, self.traffic, self.wire_dtype, self.device,
+            self.opts.schedule,
+        )  # fmt: skip
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.module.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -137,6 +185,14 @@ class Trainer:
             betas=(0.9, 0.95),
             foreach=False,  # elementwise, so a shard updates exactly like the whole tensor
         )
+        self.snapshot = WorkerSnapshot(
+            self.module,
+            self.optimizer,
+            self.sync,
+            layout,
+            shard_layouts(self.module, self.plan.parallel.tp, layout.me.tp_index),
+            self.device,
+        )
         self.data = BatchSource(
             cfg.seq_len,
             cfg.vocab,
@@ -144,89 +200,86 @@ class Trainer:
             job.train.micro_batch,
             self.plan.parallel.dp,
             job.train.seed,
-        )
-
-    def _gradient_sync(self) -> GradientSync:
-        layout = self.layout
-        if self.opts.dp_sync == "flat" or self.plan.parallel.dp == 1:
-            # With one replica there is nothing to sync: the flat sync is then a no-op.
-            group = new_groups(layout.dp_groups, self.rank)
-            return FlatAllReduce(group, layout, self.counters, self.wire_dtype)
-        return HierarchicalSync(
-            layout,
-            self.job,
-            self.counters,
-            self.wire_dtype,
-            timeout=timedelta(seconds=self.opts.timeout_s),
+            self.device,
         )
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
-        self._init_process_group()
+        self.start()
         try:
-            self._build()
-            start_step = self._resume()
-            return self._train(start_step)
+            return self.train(self.resume())
         finally:
-            dist.destroy_process_group()
+            self.close()
 
-    def _resume(self) -> int:
-        root = self.opts.checkpoint_dir
-        if not self.opts.resume or root is None:
+    def close(self) -> None:
+        """Finish a checkpoint still being written, then leave the process group."""
+        try:
+            self._finish_checkpoint()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def resume(self) -> int:
+        """Load the last complete checkpoint if asked to; the step to start from."""
+        if not self.opts.resume or self.store is None:
             return 0
-        step = checkpoint.latest_complete(root)
-        assert step is not None  # checked by check_launch
-        state = checkpoint.load(root, step, self.rank)
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sync.load_state_dict(state["dp_sync"])
-        torch.set_rng_state(state["rng"])
-        return int(state["step"])
+        step = check_resumable(self.store, self.job)
+        info = self.store.info(step)
+        resumed = self.snapshot.load(self.store, step)
+        p = info.parallel
+        log.info(
+            "resumed from step %d of %s (written by dp=%d tp=%d pp=%d)",
+            resumed.step, self.store, p["dp"], p["tp"], p["pp"],
+        )  # fmt: skip
+        if resumed.flushed_sites:
+            log.warning(
+                "error feedback of sites %s has no place in this layout: flushed with one "
+                "dense step",
+                ", ".join(resumed.flushed_sites),
+            )
+        if resumed.dropped_velocity_sites:
+            log.warning(
+                "DGC velocities of sites %s dropped (not in this layout)",
+                ", ".join(resumed.dropped_velocity_sites),
+            )
+        return resumed.step
 
     def _checkpoint(self, step: int) -> None:
-        root = self.opts.checkpoint_dir
-        assert root is not None
-        checkpoint.save(
-            root,
-            step,
-            self.rank,
-            {
-                "step": step,
-                "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "dp_sync": self.sync.state_dict(),
-                "rng": torch.get_rng_state(),
-                "worker": {
-                    "rank": self.rank,
-                    "stage": self.layout.me.stage,
-                    "replica": self.layout.me.replica,
-                    "tp_index": self.layout.me.tp_index,
-                },
-            },
-        )
-        dist.barrier()
-        if self.rank == 0:
-            checkpoint.mark_complete(root, step)
+        store = self.store
+        assert store is not None
+        self._finish_checkpoint()  # one save in flight at a time
+        group = self._checkpoint_group
+        state = self.snapshot.state_dict(step, copy=group is not None)
+        if group is not None:
+            self._saving = async_save(state, storage_writer=store.writer(step), process_group=group)  # type: ignore[assignment]
+            self._saving_step = step
+        else:
+            save(state, storage_writer=store.writer(step))
+            self._mark_complete(step)
 
-    def _train(self, start_step: int) -> list[dict[str, Any]]:
+    def _finish_checkpoint(self) -> None:
+        if self._saving is None:
+            return
+        saving, self._saving = self._saving, None
+        saving.result()  # on rank 0 (the coordinator) this includes the metadata
+        self._mark_complete(self._saving_step)
+
+    def _mark_complete(self, step: int) -> None:
+        if self.rank == 0 and self.store is not None:
+            self.store.mark_complete(CheckpointInfo.of(step, self.job, self.plan))
+
+    def train(self, start_step: int) -> list[dict[str, Any]]:
         job, me = self.job, self.layout.me
         total = job.train.steps
         end = min(total, self.opts.stop_after) if self.opts.stop_after is not None else total
         params = list(self.module.parameters())
         history: list[dict[str, Any]] = []
-        sink: IO[str] | None = None
-        if self.opts.metrics_path is not None:
-            # "-" is standard output (JSON lines), for agents that read the worker's output.
-            sink = (
-                sys.stdout
-                if str(self.opts.metrics_path) == "-"
-                else self.opts.metrics_path.open("a")
-            )
         every = self.opts.checkpoint_every
-        try:
+        with self._metrics_sink() as sink:
             for step in range(start_step, end):
+                self.traffic.step = step
                 began = time.perf_counter()
-                before = self.counters.snapshot()
+                before = self.traffic.snapshot()
                 times = StepTimes()
                 for group in self.optimizer.param_groups:
                     group["lr"] = learning_rate(job.train.lr, step, total)
@@ -234,13 +287,16 @@ class Trainer:
                 loss = self.pipeline.run(batches, times)
                 sync_start = time.perf_counter()
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                self.sync.sync(grads)
+                skipped = self.sync.sync(grads)
                 for p, g in zip(params, grads, strict=True):
                     p.grad = g
                 times.dp_sync = time.perf_counter() - sync_start
-                self.optimizer.step()
+                if skipped:
+                    log.warning("step %d: the gradient is not finite; optimizer step skipped", step)
+                else:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                after = self.counters.snapshot()
+                after = self.traffic.snapshot()
                 record = {
                     "step": step,
                     "rank": self.rank,
@@ -248,7 +304,9 @@ class Trainer:
                     "replica": me.replica,
                     "tp_index": me.tp_index,
                     "site": me.site,
+                    "device": str(self.device),
                     "loss": loss,
+                    "skipped": skipped,
                     "tokens": len(batches) * job.train.micro_batch * job.model.seq_len,
                     "seconds": {
                         "step": time.perf_counter() - began,
@@ -262,17 +320,21 @@ class Trainer:
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
-                if self.opts.on_step is not None:
-                    self.opts.on_step(record)
                 done = step + 1
-                if self.opts.checkpoint_dir is not None and (
-                    (every and done % every == 0) or done == end
-                ):
+                if self.store is not None and ((every and done % every == 0) or done == end):
                     self._checkpoint(done)
-        finally:
-            if sink is not None and sink is not sys.stdout:
-                sink.close()
         return history
+
+    @contextmanager
+    def _metrics_sink(self) -> Iterator[IO[str] | None]:
+        path = self.opts.metrics_path
+        if path is None:
+            yield None
+        elif str(path) == "-":
+            yield sys.stdout
+        else:
+            with path.open("a") as sink:
+                yield sink
 
 
 def world_from_env() -> tuple[int, int | None]:

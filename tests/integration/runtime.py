@@ -13,7 +13,9 @@ from cpn.costmodel import Workload
 from cpn.scheduler import Objective, SolverSettings, plan_job
 from cpn.scheduler.instance import build_instance
 from cpn.scheduler.realize import to_plan
-from cpn.train.launch import StepSummary, launch_local
+from cpn.train.launcher import train_local
+from cpn.train.report import StepSummary, summarise
+from cpn.train.trainer import TrainOptions
 
 #: Two sites of two 2-GPU nodes: big enough for dp2×tp2×pp2 with both sites in use.
 TOPOLOGY: dict[str, Any] = {
@@ -73,12 +75,16 @@ def write_run(
 
 
 def run(
-    tmp: Path, name: str, job_doc: dict[str, Any], *args: str, plan: Plan | None = None
+    tmp: Path, name: str, job_doc: dict[str, Any], plan: Plan | None = None, **options: Any
 ) -> list[StepSummary]:
-    job_path, plan_path, _ = write_run(tmp, name, job_doc)
+    """Every worker of the job's plan (or `plan`) through the launcher, as `cpn train` runs
+    them; `options` are `TrainOptions` fields."""
+    job_path, plan_path, planned = write_run(tmp, name, job_doc)
     if plan is not None:
         plan_path.write_text(plan.model_dump_json(indent=1))
-    return launch_local(plan_path, job_path, tmp / name / "work", list(args), timeout_s=600)
+    world = (plan or planned).parallel.world_size
+    records = train_local(plan_path, job_path, TrainOptions(**options), tmp / name / "work", world)
+    return summarise(records)
 
 
 def replica_per_site(job_doc: dict[str, Any]) -> Plan:

@@ -1,7 +1,8 @@
 """The control plane and the runtime together: two agents (real processes, one virtual GPU
 each) register; the scheduler plans a tiny job on the topology built from the registry;
 the plan's GPUs are allocated; launch orders go to both agents, which run the real
-`cpn worker` for their ranks; the workers' per-step metrics come back through
+`cpn worker` for their ranks through the runtime's launcher (one node each, meeting at
+the c10d rendezvous the orders name); the workers' per-step metrics come back through
 ReportTaskStatus."""
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from tests.control_harness import ServerThread, control_server
 from tests.processes import Proc, agent_argv, free_port, wait_until
 
 STEPS = 4
-# The agent's default command: the runtime's default, site-aware (hierarchical) sync.
-WORKER = "{python} -m cpn worker --plan {plan} --job {job} --rank {rank} --metrics {metrics}"
 JOB = {
     "name": "tiny",
     "model": {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 128},
@@ -47,8 +46,6 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ServerThread, list[Proc]]]:
                     "16",
                     "--gpu-tflops",
                     "10",
-                    "--worker-command",
-                    WORKER,
                 ),
                 tmp_path / f"agent-{site}.log",
             )

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from cpn.scheduler import Objective
-from cpn.train.launch import StepSummary
+from cpn.train.pipeline import Schedule
+from cpn.train.report import StepSummary
 from tests.integration.runtime import run, tiny_job, write_run
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def assert_same_curve(got: list[StepSummary], want: list[StepSummary], rel: floa
 def test_layout_follows_the_single_process_loss_curve(
     tmp_path: Path, reference: list[StepSummary], dp: int, tp: int, pp: int
 ) -> None:
-    steps = run(tmp_path, "layout", tiny_job(dp, tp, pp, STEPS), "--dp-sync", "flat")
+    steps = run(tmp_path, "layout", tiny_job(dp, tp, pp, STEPS), dp_sync="flat")
     assert_same_curve(steps, reference, rel=1e-4)
     assert steps[-1].loss < 0.9 * steps[0].loss  # and it learns
 
@@ -48,8 +49,8 @@ def test_gpipe_equals_1f1b_and_bytes_equal_the_plans_prediction(tmp_path: Path) 
     # Dense gradients of a stage outweigh its activations here, so the bytes objective
     # puts each stage's replicas in one site and the stages in different sites.
     _, _, plan = write_run(tmp_path, "probe", doc, Objective.WAN_BYTES)
-    one = run(tmp_path, "1f1b", doc, "--dp-sync", "flat", "--schedule", "1f1b", plan=plan)
-    gpipe = run(tmp_path, "gpipe", doc, "--dp-sync", "flat", "--schedule", "gpipe", plan=plan)
+    one = run(tmp_path, "1f1b", doc, plan, dp_sync="flat", schedule=Schedule.ONE_F_ONE_B)
+    gpipe = run(tmp_path, "gpipe", doc, plan, dp_sync="flat", schedule=Schedule.GPIPE)
     # Same backward order, so the same floating-point sums: identical, not just close.
     assert [s.loss for s in one] == [s.loss for s in gpipe]
     # The plan spans both sites; with each stage's replicas inside one site, a flat ring
@@ -71,21 +72,17 @@ def test_gpipe_equals_1f1b_and_bytes_equal_the_plans_prediction(tmp_path: Path) 
 def test_resume_continues_the_same_losses(tmp_path: Path) -> None:
     doc = tiny_job(2, 1, 2, steps=12)
     _, _, plan = write_run(tmp_path, "probe", doc)
-    straight = run(tmp_path, "straight", doc, "--dp-sync", "flat", plan=plan)
+    straight = run(tmp_path, "straight", doc, plan, dp_sync="flat")
     ckpt = tmp_path / "ckpt"
     first = run(
         tmp_path,
         "first",
         doc,
-        "--dp-sync",
-        "flat",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--checkpoint-every",
-        "3",
-        "--stop-after",
-        "7",
-        plan=plan,
+        plan,
+        dp_sync="flat",
+        checkpoint_store=str(ckpt),
+        checkpoint_every=3,
+        stop_after=7,
     )
     assert [s.step for s in first] == list(range(7))
     assert sorted(p.name for p in ckpt.iterdir()) == [
@@ -94,15 +91,7 @@ def test_resume_continues_the_same_losses(tmp_path: Path) -> None:
         "step-00000007",
     ]
     second = run(
-        tmp_path,
-        "second",
-        doc,
-        "--dp-sync",
-        "flat",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--resume",
-        plan=plan,
+        tmp_path, "second", doc, plan, dp_sync="flat", checkpoint_store=str(ckpt), resume=True
     )
     assert [s.step for s in second] == list(range(7, 12))
     assert [s.loss for s in first + second] == [s.loss for s in straight]

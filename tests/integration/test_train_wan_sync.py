@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cpn.train.launch import StepSummary
+from cpn.train.report import StepSummary
 from tests.integration.runtime import replica_per_site, run, tiny_job
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def test_resume_with_topk_residuals_is_exact(tmp_path: Path) -> None:
     plan = replica_per_site(doc)
     straight = run(tmp_path, "straight", doc, plan=plan)
     ckpt = str(tmp_path / "ckpt")
-    first = run(tmp_path, "first", doc, "--checkpoint-dir", ckpt, "--stop-after", "6", plan=plan)
-    second = run(tmp_path, "second", doc, "--checkpoint-dir", ckpt, "--resume", plan=plan)
+    first = run(tmp_path, "first", doc, plan, checkpoint_store=ckpt, stop_after=6)
+    second = run(tmp_path, "second", doc, plan, checkpoint_store=ckpt, resume=True)
     assert [s.step for s in first + second] == list(range(10))
     assert [s.loss for s in first + second] == [s.loss for s in straight]

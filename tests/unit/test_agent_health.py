@@ -6,9 +6,10 @@ import shutil
 from itertools import pairwise
 from pathlib import Path
 
-from agents.agent import Agent, Backoff
+from agents.backoff import Backoff
 from agents.config import AgentConfig
 from agents.discovery import VirtualGpus
+from agents.hardware import Hardware
 from proto.cpn.v1 import agent_pb2 as pb
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -17,7 +18,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 def test_a_port_going_down_degrades_health(tmp_path: Path) -> None:
     sysfs = tmp_path / "sys"
     shutil.copytree(FIXTURES / "sysfs-infiniband", sysfs)
-    agent = Agent(
+    hardware = Hardware(
         AgentConfig(
             site="a",
             control="127.0.0.1:1",
@@ -29,15 +30,15 @@ def test_a_port_going_down_degrades_health(tmp_path: Path) -> None:
             work_dir=tmp_path,
         )
     )
-    inventory = agent.discover()
+    inventory = hardware.discover()
     assert [n.device for n in inventory.nodes[0].rdma_nics] == ["mlx5_0", "mlx5_1"]
-    assert agent.check_health() == (pb.HEALTH_OK, "")
+    assert hardware.check_health() == (pb.HEALTH_OK, "")
     # mlx5_1 was down from the start: not news. mlx5_0 going down is.
     state = sysfs / "class" / "infiniband" / "mlx5_0" / "ports" / "1" / "state"
     state.write_text("1: DOWN\n")
-    assert agent.check_health() == (pb.HEALTH_DEGRADED, "RDMA mlx5_0 port 1 no longer active")
+    assert hardware.check_health() == (pb.HEALTH_DEGRADED, "RDMA mlx5_0 port 1 no longer active")
     state.write_text("4: ACTIVE\n")
-    assert agent.check_health() == (pb.HEALTH_OK, "")
+    assert hardware.check_health() == (pb.HEALTH_OK, "")
 
 
 def test_backoff_grows_to_its_cap_and_resets() -> None:

@@ -17,9 +17,16 @@ from tests.processes import TOKENS, write_tokens
 CPN = [sys.executable, "-m", "cpn"]
 
 
-def cpn(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cpn(
+    *args: str | Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CPN, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False
+        [*CPN, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -33,11 +40,11 @@ def _one_line_error(out: subprocess.CompletedProcess[str], words: str) -> None:
 def test_db_upgrade_current_downgrade(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/reg.db"
     out = cpn("db", "upgrade", "--database-url", url)
-    assert out.returncode == 0 and "database at revision 0001" in out.stdout, out.stderr
-    assert cpn("db", "current", "--database-url", url).stdout.strip() == "0001: up to date"
+    assert out.returncode == 0 and "database at revision 0002" in out.stdout, out.stderr
+    assert cpn("db", "current", "--database-url", url).stdout.strip() == "0002: up to date"
     out = cpn("db", "downgrade", "base", "--database-url", url)
     assert out.returncode == 0 and "base (empty)" in out.stdout
-    assert "behind (newest is 0001)" in cpn("db", "current", "--database-url", url).stdout
+    assert "behind (newest is 0002)" in cpn("db", "current", "--database-url", url).stdout
 
 
 def test_db_url_from_the_environment(tmp_path: Path) -> None:
@@ -127,3 +134,39 @@ def test_agent_with_its_probe_port_taken(tmp_path: Path) -> None:
             "1", "--probe-host", "127.0.0.1", "--probe-port", port, "--work-dir", str(tmp_path),
         )  # fmt: skip
     _one_line_error(out, f"--probe-port: cannot listen on 127.0.0.1:{port}")
+
+
+def test_serve_takes_its_settings_from_the_environment(tmp_path: Path) -> None:
+    """`CPN_LEASE_TTL_S=20 cpn serve …` gives agents a 20 s lease; a flag beats the
+    variable; a bad variable is one line naming it."""
+    import grpc  # noqa: PLC0415
+
+    from proto.cpn.v1 import agent_pb2 as pb  # noqa: PLC0415
+    from proto.cpn.v1 import agent_pb2_grpc  # noqa: PLC0415
+    from tests.control_harness import inventory  # noqa: PLC0415
+    from tests.processes import Proc, free_port, serve_argv, wait_until  # noqa: PLC0415
+
+    tokens = write_tokens(tmp_path / "tokens.yaml")
+    grpc_port, http_port = free_port(), free_port()
+    argv = serve_argv(f"sqlite:///{tmp_path}/env.db", tokens, grpc_port, http_port)
+    serve = Proc(argv, tmp_path / "serve.log", env={"CPN_LEASE_TTL_S": "20"})
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        request = pb.RegisterRequest(site="a", agent_id="a-1", inventory=inventory())
+        meta = (("authorization", "Bearer token-site-a"),)
+
+        def register() -> pb.RegisterResponse | None:
+            try:
+                return stub.Register(request, metadata=meta, timeout=2)
+            except grpc.RpcError:
+                return None
+
+        reply = wait_until(register, 60, "cpn serve to answer", serve)
+        assert reply.lease_ttl_ms == 20_000
+        channel.close()
+    finally:
+        serve.stop()
+    shown = cpn("serve", "--print-settings", "--lease-ttl", "30", env={"CPN_LEASE_TTL_S": "20"})
+    assert '"lease_ttl_s": 30.0' in shown.stdout
+    _one_line_error(cpn("serve", "--print-settings", env={"CPN_GRPC_PORT": "x"}), "$CPN_GRPC_PORT")

@@ -7,12 +7,16 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
 from cpn.scheduler import SolverSettings, plan_job
 from tests.factories import job, site, topology
+from tests.processes import free_port
 
 
 def worker(
@@ -75,7 +79,7 @@ def test_bad_launches(tmp_path: Path) -> None:
             "--rank",
             "1",
             "--resume",
-            "--checkpoint-dir",
+            "--checkpoint-store",
             str(tmp_path / "none"),
             env=env,
         )
@@ -91,32 +95,97 @@ def test_bad_launches(tmp_path: Path) -> None:
     )
     other = job(4, 1, 1, layers=4, hidden=64, heads=4, seq_len=16)
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(other.model_dump(mode="json")))
-    assert "differs from the job's" in one_line_error(
+    assert "binding.job_digest" in one_line_error(
         worker(
             tmp_path, "--plan", plan, "--job", str(tmp_path / "other.yaml"), "--rank", "0", env=env
         )
     )
+    assert "--ranks: '3,3'" in one_line_error(
+        cli(
+            "launch",
+            "--plan",
+            plan,
+            "--job",
+            spec,
+            "--ranks",
+            "3,3",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+        )
+    )
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cpn", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def edited_plan(tmp: Path, name: str, edit: Callable[[dict[str, Any]], None]) -> str:
+    plan, _ = files(tmp)
+    doc = json.loads(Path(plan).read_text())
+    edit(doc)
+    (tmp / name).write_text(json.dumps(doc))
+    return str(tmp / name)
+
+
+def _share_a_gpu(doc: dict[str, Any]) -> None:
+    first, second = doc["shards"][0], doc["shards"][1]
+    second.update(site=first["site"], node=first["node"], gpus=first["gpus"])
+
+
+def _unknown_site(doc: dict[str, Any]) -> None:
+    doc["shards"][0]["site"] = "atlantis"
+
+
+def _drop_a_shard(doc: dict[str, Any]) -> None:
+    doc["shards"].pop()
+
+
+def _unbind(doc: dict[str, Any]) -> None:
+    doc.pop("binding")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_share_a_gpu, "both use GPU"),
+        (_unknown_site, "site 'atlantis', which is not in the topology"),
+        (_drop_a_shard, "need exactly one entry per (replica, stage)"),
+        (_unbind, "binding: missing"),
+    ],
+    ids=["shared-gpu", "unknown-site", "missing-shard", "unbound"],
+)
+def test_cpn_train_refuses_a_bad_plan_with_one_line(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    _, spec = files(tmp_path)
+    plan = edited_plan(tmp_path, "bad.json", edit)
+    line = one_line_error(cli("train", "--plan", plan, "--job", spec, "--workdir", str(tmp_path)))
+    assert message in line
+    assert not list(tmp_path.glob("rank-*")), "no worker was started"
+
+
+def test_cpn_train_refuses_a_plan_for_another_version_of_the_job(tmp_path: Path) -> None:
+    plan, spec = files(tmp_path)
+    doc = yaml.safe_load(Path(spec).read_text())
+    doc["compression"] = {"wan": "topk", "density": 0.01}  # a dense plan for a top-k job
+    (tmp_path / "topk.yaml").write_text(yaml.safe_dump(doc))
+    line = one_line_error(cli("train", "--plan", plan, "--job", str(tmp_path / "topk.yaml")))
+    assert "binding.job_digest: the plan was made for another version of job" in line
 
 
 def test_metrics_to_stdout_one_json_line_per_step(tmp_path: Path) -> None:
     plan, spec = files(tmp_path, dp=1, tp=1, pp=1)
-    from cpn.train.launch import free_port  # noqa: PLC0415
-
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1"}
     out = worker(
-        tmp_path,
-        "--plan",
-        plan,
-        "--job",
-        spec,
-        "--rank",
-        "0",
-        "--metrics",
-        "-",
-        "--stop-after",
-        "3",
-        env=env,
-    )
+        tmp_path, "--plan", plan, "--job", spec, "--rank", "0", "--metrics", "-",
+        "--stop-after", "3", env=env,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["step"] for r in records] == [0, 1, 2]

@@ -179,5 +179,5 @@ def test_one_rank_sync_is_a_no_op(one_rank: object) -> None:
     grads = [torch.arange(6.0)]
     sync_gradients(state, grads)
     assert torch.equal(grads[0], torch.arange(6.0))
-    assert state.bytes_sent == {"intra_site": 0, "wan": 0}
+    assert state.bytes_sent == {"intra_node": 0, "intra_site": 0, "wan": 0}
     assert state.step == 1

@@ -172,3 +172,82 @@ def test_plan_rejects_missing_or_duplicate_shards() -> None:
         Plan.model_validate({**base, "shards": [shard, shard]})
     plan = Plan.model_validate({**base, "shards": [shard, {**shard, "replica": 1, "gpus": [1]}]})
     assert [r.rank for r in plan.ranks()] == [0, 1]
+
+
+def _set(doc: dict, path: str, value: object) -> dict:
+    """A deep copy of `doc` with the dotted `path` (list indices as numbers) set."""
+    out = yaml.safe_load(yaml.safe_dump(doc))
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+    target = out
+    for part in parents:
+        target = target[part]
+    target[last] = value
+    return out
+
+
+HOSTILE_TOPOLOGIES = [
+    ("links.0.bandwidth_gbps", float("inf"), "links[0].bandwidth_gbps"),
+    ("links.0.latency_ms", float("nan"), "links[0].latency_ms"),
+    ("links.0.latency_ms", 1e300, "links[0].latency_ms"),
+    ("sites.0.gpu_price_per_hour", float("inf"), "sites[0].gpu_price_per_hour"),
+    ("sites.0.nodes.0.gpu.model", "A100\x00", "sites[0].nodes[0].gpu.model"),
+    ("sites.0.nodes.0.gpu.model", "A100\u202e", "sites[0].nodes[0].gpu.model"),
+    ("sites.0.nodes.0.gpu.memory_gb", 1e9, "sites[0].nodes[0].gpu.memory_gb"),
+    ("sites.0.nodes.0.gpu.count", 2**40, "sites[0].nodes[0].gpu.count"),
+    ("sites.0.nodes.0.name", "n0\n", "sites[0].nodes[0].name"),
+    ("sites.0.name", "x" * 65, "sites[0].name"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "field"), HOSTILE_TOPOLOGIES)
+def test_topology_values_beyond_the_bounds_are_named(
+    topo_doc: dict, tmp_path: Path, path: str, value: object, field: str
+) -> None:
+    message = error_of(load_topology, write(tmp_path, "t.yaml", _set(topo_doc, path, value)))
+    assert f": {field}:" in message
+    assert len(message) < 300  # a huge value is not echoed whole
+
+
+HOSTILE_JOBS = [
+    ("train.seed", 2**64, "train.seed"),
+    ("train.steps", 2**40, "train.steps"),
+    ("train.lr", float("nan"), "train.lr"),
+    ("train.global_batch", -1, "train.global_batch"),
+    ("compression", {"wan": "topk", "density": float("nan")}, "compression.density"),
+    ("constraints", {"gpu_model": "A100\x1b[31m"}, "constraints.gpu_model"),
+    ("constraints", {"min_gpu_memory_gb": float("inf")}, "constraints.min_gpu_memory_gb"),
+    ("parallel", {"dp": 1_000_000, "tp": 1024, "pp": 100}, "parallel: dp×tp×pp"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "field"), HOSTILE_JOBS)
+def test_job_values_beyond_the_bounds_are_named(
+    job_doc: dict, tmp_path: Path, path: str, value: object, field: str
+) -> None:
+    message = error_of(load_job, write(tmp_path, "j.yaml", _set(job_doc, path, value)))
+    assert f": {field}" in message
+
+
+def test_reservations_and_plans_refuse_values_nothing_can_hold(tmp_path: Path) -> None:
+    bad = write(tmp_path, "r.yaml", {"wan_gbps": {"a|b": float("inf")}})
+    assert "wan_gbps.a|b" in error_of(load_reservations, bad)
+    bad = write(tmp_path, "r2.yaml", {"gpus": {"a": {"n\x00": [0]}}})
+    assert "gpus.a" in error_of(load_reservations, bad)
+    shard = {"replica": 0, "stage": 0, "site": "a", "node": "n", "gpus": [0]}
+    plan = {
+        "job": "j",
+        "parallel": {"dp": 1, "tp": 1, "pp": 1},
+        "micro_batches": 1,
+        "shards": [shard],
+        "bytes_per_iteration": {"intra_node": 0, "intra_site": 0, "wan": 2**64},
+        "predicted_iteration_seconds": 1.0,
+        "breakdown": {"compute": 1, "pipeline": 0, "dp_sync": 0, "bubble": 0},
+        "price_per_hour": 0,
+        "solver": {"status": "OPTIMAL", "seconds": 0, "objective": 0, "bound": 0, "gap": 0},
+    }
+    with pytest.raises(ValueError, match=r"bytes_per_iteration\.wan"):
+        Plan.model_validate(plan)
+    plan["bytes_per_iteration"]["wan"] = 0  # type: ignore[index]
+    plan["shards"] = [{**shard, "site": "a\x00"}]
+    with pytest.raises(ValueError, match=r"shards\.0\.site"):
+        Plan.model_validate(plan)

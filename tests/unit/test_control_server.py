@@ -423,13 +423,19 @@ def test_task_status_is_stored_with_events_and_passed_on(sqlite_url: str) -> Non
         srv.server.state.task_listeners.append(seen.append)
         channel, client = stub(srv.server.port)
         lease = _register(client).lease_id
+        # Reports are about jobs the agent was ordered to run: PLAN puts rank 0 at site a.
+        srv.server.dispatcher.launch(
+            "a", "agent-1", job_id="job-1", plan=PLAN, job_yaml="", master_addr="h",
+            master_port=1,
+        )  # fmt: skip
+        wait_for(lambda: _rows(srv.registry, Event) >= 2, what="the order's event")
         for state, step in (
             (pb.TASK_STATE_RUNNING, 10),
             (pb.TASK_STATE_RUNNING, 20),
             (pb.TASK_STATE_SUCCEEDED, 20),
         ):
             req = pb.ReportTaskStatusRequest(
-                site="a", agent_id="agent-1", lease_id=lease, job_id="job-1", rank=3, state=state,
+                site="a", agent_id="agent-1", lease_id=lease, job_id="job-1", rank=0, state=state,
                 step=step, loss=2.5, bytes=pb.LinkBytes(intra_node=1, intra_site=2, wan=3 << 33),
                 checkpoint_id=f"ckpt-{step}",
             )  # fmt: skip
@@ -438,7 +444,7 @@ def test_task_status_is_stored_with_events_and_passed_on(sqlite_url: str) -> Non
             task = s.scalars(select(Task)).one()
             assert (task.job_id, task.rank, task.state, task.step) == (
                 "job-1",
-                3,
+                0,
                 TaskState.SUCCEEDED,
                 20,
             )
@@ -448,8 +454,11 @@ def test_task_status_is_stored_with_events_and_passed_on(sqlite_url: str) -> Non
                 "ckpt-20",
                 0,
             )
-            kinds = s.scalars(select(Event.kind).where(Event.job_id == "job-1")).all()
-            assert kinds == ["task_state", "task_state"]  # running, succeeded: not every step
+            kinds = s.scalars(
+                select(Event.kind).where(Event.job_id == "job-1").order_by(Event.id)
+            ).all()
+            # running, succeeded: not every step
+            assert kinds == ["order_queued", "task_state", "task_state"]
         assert [r.state for r in seen] == [
             TaskState.RUNNING,
             TaskState.RUNNING,

@@ -35,7 +35,9 @@ def _violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
     [
         ("agents", ("cpn.registry", "cpn.control", "cpn.scheduler", "api")),
         ("cpn/registry", ("api", "agents")),
-        ("cpn/control", ("api", "agents")),
+        ("cpn/control", ("api", "agents", "cpn.orchestration")),
+        # Orchestration uses the control layer, never the service layer above it.
+        ("cpn/orchestration", ("api", "agents")),
         ("cpn/scheduler", ("api", "agents")),
         # The comm library sits under the runtime: usable by any DDP job on its own.
         (

@@ -14,8 +14,10 @@ from cpn.contracts import JobSpec
 from cpn.registry import (
     AllocationConflict,
     EmptyRegistry,
+    GpuInfo,
     NicInfo,
     NoCapacity,
+    NodeInfo,
     NodeOwnedError,
     Registry,
     SiteSettings,
@@ -49,7 +51,8 @@ from cpn.scheduler import plan_job
 from tests.registry_factories import node, register
 
 TABLES = {
-    "sites", "agents", "leases", "nodes", "gpus", "rdma_nics", "wan_links", "jobs",
+    "sites", "agents", "leases", "nodes", "gpus", "rdma_nics", "wan_links", "jobs", "tenants",
+    "api_keys", "quotes", "rendezvous_ports", "job_log_lines", "job_steps",
     "allocations", "link_reservations", "tasks", "events",
 }  # fmt: skip
 
@@ -290,3 +293,58 @@ def test_topology_from_the_registry_feeds_the_scheduler(registry: Registry) -> N
     result = plan_job(topology, _job(gpus=8), held)
     used = {(sh.site, sh.node, g) for sh in result.shards for g in sh.gpus}
     assert not used & {("a", "a0", 0), ("a", "a0", 1)}
+
+
+def test_topology_summarises_each_node_conservatively(registry: Registry) -> None:
+    mixed = NodeInfo(
+        "m0",
+        gpus=(
+            GpuInfo(0, "H100", 80.0, tflops=900.0),
+            GpuInfo(1, "H100", 40.0, tflops=989.0),
+            GpuInfo(2, "H100", 80.0, tflops=700.0),
+        ),
+        nics=(
+            NicInfo("mlx5_0", 1, "infiniband", 200.0, "active"),
+            NicInfo("mlx5_0", 2, "infiniband", 200.0, "active"),
+            NicInfo("mlx5_1", 1, "infiniband", 400.0, "down"),
+        ),
+        intra_node_gbps=900.0,
+    )
+    quiet = node("q0", gpus=2)  # no RDMA: the site falls back to the default
+    a = register(registry, "a", nodes=(mixed, quiet))
+    b = register(registry, "b", nodes=(node("b0", gpus=1),))
+    register(registry, "c", nodes=(NodeInfo("empty"),))  # no GPUs: not in the topology
+    now = utcnow()
+    with registry.write() as s:
+        apply_heartbeats(s, [
+            HeartbeatRecord(
+                agent_pk=a.agent_pk, lease_pk=a.lease_pk, site_id=a.site_id, agent_id="a-agent",
+                at=now, expires_at=now + timedelta(hours=1), health="ok",
+                links=(LinkSample("b", 10.0, 30.0, now), LinkSample("c", 5.0, 5.0, now)),
+            ),
+            HeartbeatRecord(
+                agent_pk=b.agent_pk, lease_pk=b.lease_pk, site_id=b.site_id, agent_id="b-agent",
+                at=now, expires_at=now + timedelta(hours=1), health="ok",
+                links=(LinkSample("a", 8.0, 20.0, now - timedelta(hours=2)),),
+            ),
+        ])  # fmt: skip
+        s.execute(update(Gpu).where(Gpu.index == 2).values(status=GpuStatus.LOST))
+    with registry.read() as s:
+        topology, held = build_topology(s, now=now)
+        fresh, _ = build_topology(s, now=now, max_link_age=timedelta(hours=1))
+    assert topology.site_names == ["a", "b"]
+    [m0, q0] = topology.site("a").nodes
+    assert (m0.name, m0.gpu.model, m0.gpu.count, m0.gpu.memory_gb, m0.gpu.tflops) == (
+        "m0",
+        "H100",
+        3,
+        40.0,
+        700.0,
+    )
+    assert (m0.intra_node_gbps, q0.intra_node_gbps) == (900.0, 256.0)
+    assert topology.site("a").intra_site_gbps == 100.0  # q0 has no active RDMA
+    assert held.gpus == {"a": {"m0": [2]}}  # lost while the node lives
+    [link] = topology.links  # both directions measured: the smaller bandwidth, larger RTT
+    assert (link.key, link.bandwidth_gbps, link.latency_ms) == ("a|b", 8.0, 15.0)
+    [link] = fresh.links  # b's measurement is too old
+    assert (link.bandwidth_gbps, link.latency_ms) == (10.0, 15.0)

@@ -39,6 +39,14 @@ def test_plain_and_detailed_entries(tmp_path: Path) -> None:
             "a: {token: aaaaaaaaaa, gpu_price_per_hour: -1}\n",
             "a.gpu_price_per_hour: input should be greater than or equal to 0",
         ),
+        (
+            "a: {token: aaaaaaaaaa, intra_site_gbps: .inf}\n",
+            "a.intra_site_gbps: input should be a finite number",
+        ),
+        (
+            "a: {token: aaaaaaaaaa, gpu_price_per_hour: 1e300}\n",
+            "a.gpu_price_per_hour: input should be less than or equal to 1000000",
+        ),
         ("a: [unclosed\n", "not valid YAML"),
     ],
 )

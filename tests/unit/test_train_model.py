@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpn.contracts import ParallelSpec
+from cpn.comm import Member, Traffic
+from cpn.contracts import ParallelSpec, Plan
+from cpn.contracts.job import CompressionSpec
+from cpn.contracts.plan import Binding
 from cpn.errors import InputError
 from cpn.gpt_shapes import stage_parameters
 from cpn.scheduler import SolverSettings, plan_job
-from cpn.train.comms import ByteCounters, Group
 from cpn.train.data import BatchSource, corpus
 from cpn.train.model import GPTConfig, GPTStage
-from cpn.train.parallelize import TensorParallel, parallelize
+from cpn.train.parallelize import TensorParallel, parallelize, shard_layouts
 from cpn.train.trainer import TrainOptions, check_launch, learning_rate
 from tests.factories import job, site, topology
 
@@ -24,8 +26,8 @@ CFG = GPTConfig(layers=4, hidden=64, heads=4, seq_len=16, vocab=101)
 
 def shard(stage: int, pp: int, tp: int, rank: int) -> GPTStage:
     module = GPTStage(CFG, stage, pp, seed=3)
-    group = Group(None, tuple(range(tp)), rank)  # construction needs no communication
-    return parallelize(module, TensorParallel(group, ByteCounters(), torch.float32))
+    group = Member(None, tuple(range(tp)), rank)  # construction needs no communication
+    return parallelize(module, TensorParallel(group, Traffic(), torch.float32))
 
 
 @pytest.mark.parametrize(("pp", "tp"), [(1, 1), (2, 1), (2, 2), (4, 4), (1, 2)])
@@ -36,6 +38,30 @@ def test_parameters_match_the_cost_models_shapes(pp: int, tp: int) -> None:
             got = [(n, tuple(p.shape)) for n, p in shard(stage, pp, tp, rank).named_parameters()]
             want = [(p.name, p.shape) for p in stage_parameters(spec, pp, tp, stage)]
             assert got == want
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shard_layouts_put_every_piece_where_checkpoints_expect_it(tp: int) -> None:
+    # Checkpoints store whole logical tensors, split by torch.chunk along `dim` (what a
+    # DTensor Shard(dim) means): the pieces must reassemble the single-process weights.
+    whole = dict(GPTStage(CFG, 0, 1, seed=3).named_parameters())
+    pieces: dict[str, list[torch.Tensor]] = {}
+    layouts = {}
+    for rank in range(tp):
+        module = shard(0, 1, tp, rank)
+        layouts = shard_layouts(module, tp, rank)
+        for name, p in module.named_parameters():
+            pieces.setdefault(name, []).append(layouts[name].local_view(p.detach()))
+    for name, parts in pieces.items():
+        layout = layouts[name]
+        logical = whole[name].detach().reshape(layout.shape)
+        if layout.dim is None:
+            assert all(torch.equal(part, logical) for part in parts), name
+            continue
+        chunks = logical.chunk(tp, dim=layout.dim)
+        for rank, part in enumerate(parts):
+            want = chunks[rank] if rank < len(chunks) else logical.narrow(layout.dim, 0, 0)
+            assert torch.equal(part, want), (name, rank)
 
 
 def test_shards_are_slices_of_the_single_process_weights() -> None:
@@ -102,15 +128,49 @@ def test_bad_launches_fail_before_any_process_group(tmp_path: Path) -> None:
         check_launch(plan, spec, 3, 0, opts)
     with pytest.raises(InputError, match=r"--rank: 4 is not in 0..3"):
         check_launch(plan, spec, 4, 4, opts)
-    bad = plan.model_copy(update={"parallel": ParallelSpec(dp=1, tp=3, pp=1)})
+    # A plan for another version of the job: what it predicts no longer applies.
+    topk = spec.model_copy(update={"compression": CompressionSpec(wan="topk", density=0.01)})
+    bigger = spec.model_copy(update={"model": spec.model.model_copy(update={"hidden": 128})})
+    for other in (topk, bigger):
+        with pytest.raises(InputError, match=r"binding\.job_digest: the plan was made for another"):
+            check_launch(plan, other, 4, 0, opts)
+    # ... but steps, learning rate and seed are not what a plan depends on.
+    longer = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 99})})
+    check_launch(plan, longer, 4, 0, opts)
+    with pytest.raises(InputError, match="binding: missing"):
+        check_launch(plan.model_copy(update={"binding": None}), spec, 4, 0, opts)
     auto = spec.model_copy(update={"parallel": "auto", "gpus": 3})
+    bad = plan.model_copy(
+        update={
+            "parallel": ParallelSpec(dp=1, tp=3, pp=1),
+            "binding": Binding.of(auto, topology([site("a", nodes=2, gpus=4)], [])),
+        }
+    )
     with pytest.raises(InputError, match=r"parallel.tp: 3 does not divide model.heads \(4\)"):
         check_launch(bad, auto, 3, 0, opts)
-    with pytest.raises(InputError, match="layout dp=2 tp=1 pp=2 differs"):
-        check_launch(plan, job(4, 1, 1, layers=4, hidden=64, heads=4, seq_len=16), 4, 0, opts)
     with pytest.raises(InputError, match="no complete checkpoint"):
-        check_launch(plan, spec, 4, 0, TrainOptions(resume=True, checkpoint_dir=tmp_path))
+        check_launch(plan, spec, 4, 0, TrainOptions(resume=True, checkpoint_store=str(tmp_path)))
     renamed = plan.model_copy(update={"job": "other"})
-    with pytest.raises(InputError, match="it is for job 'other'"):
+    with pytest.raises(InputError, match="the plan is for job 'other'"):
         check_launch(renamed, spec, 4, 0, opts)
+    with pytest.raises(InputError, match="--device: 'tpu'"):
+        check_launch(plan, spec, 4, 0, TrainOptions(device="tpu"))
     json.loads(plan.model_dump_json())  # the plan a launcher writes is plain JSON
+
+
+def test_plans_with_shared_gpus_or_unknown_sites_do_not_validate() -> None:
+    plan, _ = tiny_plan(2, 1, 2)
+    doc = json.loads(plan.model_dump_json())
+    shared = json.loads(json.dumps(doc))
+    first, second = shared["shards"][0], shared["shards"][1]
+    second.update(site=first["site"], node=first["node"], gpus=first["gpus"])
+    with pytest.raises(ValueError, match="both use GPU"):
+        Plan.model_validate(shared)
+    elsewhere = json.loads(json.dumps(doc))
+    elsewhere["shards"][0]["site"] = "nowhere"
+    with pytest.raises(ValueError, match="site 'nowhere', which is not in the topology"):
+        Plan.model_validate(elsewhere)
+    missing = json.loads(json.dumps(doc))
+    missing["shards"].pop()
+    with pytest.raises(ValueError, match="need exactly one entry per"):
+        Plan.model_validate(missing)

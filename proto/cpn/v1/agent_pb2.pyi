@@ -747,6 +747,9 @@ class ReportTaskStatusRequest(_message.Message):
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    LOG_LINES_FIELD_NUMBER: _builtins.int
+    LOG_LINES_DROPPED_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     agent_id: _builtins.str
     lease_id: _builtins.str
@@ -761,9 +764,26 @@ class ReportTaskStatusRequest(_message.Message):
     exit_code: _builtins.int
     message: _builtins.str
     """a short human-readable note (why it failed)"""
+    log_lines_dropped: _builtins.int
+    """Lines the agent could not keep (its buffer was full while the control plane was out
+    of reach) before `log_lines`.
+    """
     @_builtins.property
     def bytes(self) -> Global___LinkBytes:
         """bytes sent so far by this rank, by link class"""
+
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepMetrics]:
+        """Training steps this rank finished since the previous report, oldest first (at most
+        1000 per request; the control plane keeps the per-step series of the job).
+        """
+
+    @_builtins.property
+    def log_lines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lines the worker printed since the previous report, oldest first, without their line
+        ends (at most 1000 per request, each at most 4096 bytes; longer lines are cut by the
+        agent). The control plane keeps the newest lines of each rank.
+        """
 
     def __init__(
         self,
@@ -780,16 +800,57 @@ class ReportTaskStatusRequest(_message.Message):
         checkpoint_id: _builtins.str = ...,
         exit_code: _builtins.int = ...,
         message: _builtins.str = ...,
+        steps: _abc.Iterable[Global___StepMetrics] | None = ...,
+        log_lines: _abc.Iterable[_builtins.str] | None = ...,
+        log_lines_dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "bytes", b"bytes", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "agent_id", b"agent_id", "bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "exit_code", b"exit_code", "job_id", b"job_id", "lease_id", b"lease_id", "loss", b"loss", "message", b"message", "rank", b"rank", "site", b"site", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "agent_id", b"agent_id", "bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "exit_code", b"exit_code", "job_id", b"job_id", "lease_id", b"lease_id", "log_lines", b"log_lines", "log_lines_dropped", b"log_lines_dropped", "loss", b"loss", "message", b"message", "rank", b"rank", "site", b"site", "state", b"state", "step", b"step", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___ReportTaskStatusRequest: _TypeAlias = ReportTaskStatusRequest  # noqa: Y015
+
+@_typing.final
+class StepMetrics(_message.Message):
+    """One training step of one rank, as the worker measured it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """0-based"""
+    loss: _builtins.float
+    """absent on ranks that do not compute the loss"""
+    seconds: _builtins.float
+    """wall time of the step on this rank"""
+    @_builtins.property
+    def bytes(self) -> Global___LinkBytes:
+        """bytes this rank sent during the step, by link class"""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        loss: _builtins.float | None = ...,
+        seconds: _builtins.float = ...,
+        bytes: Global___LinkBytes | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "bytes", b"bytes", "loss", b"loss"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "bytes", b"bytes", "loss", b"loss", "seconds", b"seconds", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
+    _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
+
+Global___StepMetrics: _TypeAlias = StepMetrics  # noqa: Y015
 
 @_typing.final
 class ReportTaskStatusResponse(_message.Message):

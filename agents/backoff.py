@@ -1,0 +1,24 @@
+"""Exponential backoff with jitter for reconnecting to the control plane."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class Backoff:
+    """Doubles up to `max_s` (±20 % jitter, so that many agents do not retry in step);
+    reset after a successful (re)connection."""
+
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    current_s: float = 0.5
+
+    def next(self) -> float:
+        delay = self.current_s * random.uniform(0.8, 1.2)
+        self.current_s = min(self.current_s * 2, self.max_s)
+        return delay
+
+    def reset(self) -> None:
+        self.current_s = self.initial_s

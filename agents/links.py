@@ -1,0 +1,34 @@
+"""WAN measurements waiting to ride on the next heartbeat."""
+
+from __future__ import annotations
+
+from agents.probe import ProbeResult
+from proto.cpn.v1 import agent_pb2 as pb
+
+
+class LinkBook:
+    """The newest measurement per peer site, until a heartbeat has delivered it."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, ProbeResult] = {}
+
+    def record(self, site: str, result: ProbeResult) -> None:
+        self._pending[site] = result
+
+    def pending(self) -> list[pb.LinkMeasurement]:
+        return [
+            pb.LinkMeasurement(
+                peer_site=site,
+                bandwidth_gbps=r.bandwidth_gbps,
+                rtt_ms=r.rtt_ms,
+                measured_at_unix_ms=int(r.measured_at * 1000),
+            )
+            for site, r in sorted(self._pending.items())
+        ]
+
+    def delivered(self, sent: list[pb.LinkMeasurement]) -> None:
+        """Forget what a heartbeat carried (newer measurements may have come meanwhile)."""
+        for link in sent:
+            current = self._pending.get(link.peer_site)
+            if current is not None and int(current.measured_at * 1000) == link.measured_at_unix_ms:
+                del self._pending[link.peer_site]

@@ -1,0 +1,122 @@
+"""The job family of schemas: what clients send (`JobCreate`) and get back (`JobPublic`,
+`JobsPublic`, events, metrics, logs). Shared with the typed client (cpn.client)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from cpn.contracts import JobSpec, Plan
+from cpn.registry.models import JobState
+
+#: Beyond any real job; keeps `parallel: auto`'s layout search bounded.
+MAX_GPUS = 65_536
+
+
+class JobCreate(JobSpec):
+    """The job YAML's fields (docs/contracts.md) as JSON, and optionally a quote to use."""
+
+    quote_id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Run the plan of a quote's candidate (POST /v1/quotes) if it still fits.",
+    )
+    candidate: int = Field(default=0, ge=0, le=64, description="Which candidate of the quote.")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> JobCreate:
+        gpus = self.gpus if self.parallel == "auto" else self.fixed_parallel.world_size
+        if gpus is not None and gpus > MAX_GPUS:
+            field = "gpus" if self.parallel == "auto" else "parallel"
+            raise ValueError(f"{field}: at most {MAX_GPUS} GPUs per job, got {gpus}")
+        return self
+
+    def spec(self) -> JobSpec:
+        return JobSpec.model_validate(self.model_dump(exclude={"quote_id", "candidate"}))
+
+
+class LinkBytesPublic(BaseModel):
+    measured: int = Field(description="bytes sent, summed over every rank and finished step")
+    predicted: int | None = Field(description="the plan's bytes per iteration × those steps")
+
+
+class ProgressPublic(BaseModel):
+    step: int = Field(description="steps every rank has finished")
+    steps: int
+    ranks: int = Field(description="workers in the plan (0 before one)")
+    ranks_reporting: int
+    loss: float | None = Field(description="mean loss of the newest finished step")
+    tokens_per_s: float | None
+    bytes: dict[str, LinkBytesPublic] = Field(description="intra_node, intra_site, wan")
+
+
+class FailurePublic(BaseModel):
+    rank: int
+    site: str
+    exit_code: int | None
+    message: str
+    last_lines: list[str]
+
+
+class JobPublic(BaseModel):
+    id: str
+    name: str
+    tenant: str | None
+    state: JobState
+    reason: str = Field(description="why it is in its state (what a pending job waits for)")
+    priority: int
+    gpus: int
+    spec: dict[str, Any]
+    plan: Plan | None
+    quote_id: str | None
+    rendezvous: str | None = Field(description="host:port of the job's torch rendezvous")
+    progress: ProgressPublic
+    failure: FailurePublic | None
+    created_at: datetime
+    scheduled_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    count: int = Field(description="jobs matching the filter, all pages")
+
+
+class EventPublic(BaseModel):
+    id: int
+    at: datetime
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+
+class StepPublic(BaseModel):
+    step: int
+    loss: float | None
+    seconds: float = Field(description="the slowest rank's")
+    tokens_per_s: float | None
+    ranks: int = Field(description="ranks that reported this step")
+    bytes: dict[str, int]
+
+
+class MetricsPublic(BaseModel):
+    job_id: str
+    ranks: int
+    predicted_bytes_per_step: dict[str, int] | None
+    steps: list[StepPublic]
+
+
+class LogLinePublic(BaseModel):
+    id: int = Field(description="increasing: ask for lines after it with ?after=")
+    rank: int
+    at: datetime
+    line: str
+
+
+class LogsPublic(BaseModel):
+    job_id: str
+    lines: list[LogLinePublic]
+    ended: bool = Field(description="the job has ended and no rank still runs")

@@ -1,0 +1,43 @@
+"""Orchestration (ITU-T Y.2501's orchestration & management layer): the job lifecycle.
+
+- `states`: the job state machine; every transition is an event row with its reason;
+- `service.JobService`: what the REST API asks — submit (idempotent, quota, "can it ever
+  fit?"), list, get with progress, cancel, events, per-step metrics, logs;
+- `quotes`: ranked candidate plans with predicted time, WAN bytes and price;
+- `admission`: gang admission — plan, GPUs, WAN reservations, rendezvous port, in one
+  transaction;
+- `loop.Orchestrator`: the loop that admits, launches, follows and ends jobs;
+- `tenants`: API keys → tenant and role;
+- `metrics`: Prometheus metrics.
+
+It uses the control layer (registry, scheduler, dispatcher); the control layer never
+imports it.
+"""
+
+from cpn.orchestration.errors import (
+    Conflict,
+    InvalidRequest,
+    NeverFits,
+    NotFound,
+    QuotaExceeded,
+    ServiceError,
+    Unauthorized,
+)
+from cpn.orchestration.metrics import ServiceMetrics
+from cpn.orchestration.service import JobService, JobView, QuoteChoice
+from cpn.orchestration.tenants import Principal
+
+__all__ = [
+    "Conflict",
+    "InvalidRequest",
+    "JobService",
+    "JobView",
+    "NeverFits",
+    "NotFound",
+    "Principal",
+    "QuotaExceeded",
+    "QuoteChoice",
+    "ServiceError",
+    "ServiceMetrics",
+    "Unauthorized",
+]

@@ -1,0 +1,349 @@
+"""The job service: what the REST API asks of the orchestration layer.
+
+Every method takes the `Principal` the request acts for and sees only that tenant's jobs
+(an admin sees all); another tenant's job is `NotFound`, exactly like one that does not
+exist, so ids cannot be probed. Methods are synchronous (the API calls them from its
+worker threads) and each write is one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from cpn.contracts import JobSpec, Plan, Topology
+from cpn.control.settings import ControlSettings
+from cpn.orchestration import states
+from cpn.orchestration.errors import (
+    Conflict,
+    InvalidRequest,
+    NeverFits,
+    NotFound,
+    QuotaExceeded,
+)
+from cpn.orchestration.feasibility import FeasibilityCache, topology_fingerprint
+from cpn.orchestration.progress import Progress, job_progress
+from cpn.orchestration.tenants import Principal
+from cpn.registry import EmptyRegistry, Registry, build_topology
+from cpn.registry.events import EventKind, record_event
+from cpn.registry.models import (
+    Event,
+    Job,
+    JobLogLine,
+    JobState,
+    JobStep,
+    Quote,
+    Task,
+    Tenant,
+    utcnow,
+)
+
+#: How long a snapshot of the live topology answers "could this job ever fit?".
+SNAPSHOT_S = 1.0
+
+
+def gpus_of(spec: JobSpec) -> int:
+    """GPUs a job asks for: its world size, or its budget with parallel: auto."""
+    if spec.parallel == "auto":
+        assert spec.gpus is not None
+        return spec.gpus
+    return spec.parallel.world_size
+
+
+def request_hash(body: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class QuoteChoice:
+    quote_id: str
+    candidate: int
+
+
+@dataclass(frozen=True)
+class JobView:
+    job: Job
+    tenant: str | None
+    progress: Progress
+
+
+class JobService:
+    def __init__(
+        self,
+        registry: Registry,
+        settings: ControlSettings,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.wake = wake or (lambda: None)
+        self._feasible = FeasibilityCache()
+        self._snapshot: tuple[float, Topology | None, str] = (float("-inf"), None, "")
+        self._snapshot_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ reading
+
+    def _visible(self, session: Session, principal: Principal, job_id: str) -> Job:
+        job = session.get(Job, job_id) if len(job_id) <= 64 else None
+        if job is None or not (principal.admin or job.tenant_id == principal.tenant_id):
+            raise NotFound(f"job {job_id[:64]!r}: no such job")
+        return job
+
+    def get(self, principal: Principal, job_id: str) -> JobView:
+        with self.registry.read() as session:
+            job = self._visible(session, principal, job_id)
+            return self._view(session, job)
+
+    def _view(self, session: Session, job: Job) -> JobView:
+        tenant = session.get(Tenant, job.tenant_id) if job.tenant_id is not None else None
+        return JobView(job, tenant.name if tenant else None, job_progress(session, job))
+
+    def list_jobs(
+        self,
+        principal: Principal,
+        *,
+        state: JobState | None = None,
+        skip: int = 0,
+        limit: int = 50,
+    ) -> tuple[list[JobView], int]:
+        where = [] if principal.admin else [Job.tenant_id == principal.tenant_id]
+        if state is not None:
+            where.append(Job.state == state)
+        with self.registry.read() as session:
+            count = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0
+            jobs = session.scalars(
+                select(Job)
+                .where(*where)
+                .order_by(Job.created_at.desc(), Job.id)
+                .offset(skip)
+                .limit(limit)
+            ).all()
+            return [self._view(session, j) for j in jobs], count
+
+    def events(
+        self, principal: Principal, job_id: str, *, after: int = 0, limit: int = 1000
+    ) -> list[Event]:
+        with self.registry.read() as session:
+            self._visible(session, principal, job_id)
+            return list(
+                session.scalars(
+                    select(Event)
+                    .where(Event.job_id == job_id, Event.id > after)
+                    .order_by(Event.id)
+                    .limit(limit)
+                )
+            )
+
+    def steps(
+        self, principal: Principal, job_id: str, *, after: int = -1, limit: int = 10_000
+    ) -> tuple[Job, list[JobStep]]:
+        with self.registry.read() as session:
+            job = self._visible(session, principal, job_id)
+            rows = session.scalars(
+                select(JobStep)
+                .where(JobStep.job_id == job_id, JobStep.step > after)
+                .order_by(JobStep.step)
+                .limit(limit)
+            ).all()
+            return job, list(rows)
+
+    def logs(
+        self,
+        principal: Principal,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> tuple[Job, list[JobLogLine], bool]:
+        """Lines after id `after` (oldest first), and whether nothing more can come: the
+        job has ended and none of its ranks still runs."""
+        with self.registry.read() as session:
+            job = self._visible(session, principal, job_id)
+            where = [JobLogLine.job_id == job_id, JobLogLine.id > after]
+            if rank is not None:
+                where.append(JobLogLine.rank == rank)
+            lines = session.scalars(
+                select(JobLogLine).where(*where).order_by(JobLogLine.id).limit(limit)
+            ).all()
+            done = job.state.terminal and not self._ranks_still_running(session, job)
+            return job, list(lines), done
+
+    def _ranks_still_running(self, session: Session, job: Job) -> bool:
+        if job.finished_at is not None:
+            grace = self.settings.stop_grace_s
+            if (utcnow() - job.finished_at).total_seconds() > grace:
+                return False  # an agent that never answered: stop waiting for its lines
+        live = session.scalar(
+            select(func.count())
+            .select_from(Task)
+            .where(Task.job_id == job.id, Task.state.in_(("starting", "running")))
+        )
+        return bool(live)
+
+    # ------------------------------------------------------------------ submitting
+
+    def capacity(self) -> tuple[Topology | None, str]:
+        """The live topology (every GPU counted free), at most SNAPSHOT_S old."""
+        with self._snapshot_lock:
+            taken, topology, fingerprint = self._snapshot
+            if time.monotonic() - taken < SNAPSHOT_S:
+                return topology, fingerprint
+            with self.registry.read() as session:
+                try:
+                    topology, _ = build_topology(session)
+                    fingerprint = topology_fingerprint(topology)
+                except EmptyRegistry:
+                    topology, fingerprint = None, ""
+            self._snapshot = (time.monotonic(), topology, fingerprint)
+            return topology, fingerprint
+
+    def submit(
+        self,
+        principal: Principal,
+        spec: JobSpec,
+        *,
+        idempotency_key: str | None = None,
+        quote: QuoteChoice | None = None,
+    ) -> tuple[JobView, bool]:
+        """Queue a job. Returns it and whether it was made now (False: the same
+        Idempotency-Key was used before with the same body, and that job is returned)."""
+        body: dict[str, object] = {"spec": spec.model_dump(mode="json")}
+        if quote is not None:
+            body["quote"] = [quote.quote_id, quote.candidate]
+        digest = request_hash(body)
+        if idempotency_key is not None:
+            existing = self._by_key(principal, idempotency_key, digest)
+            if existing is not None:
+                return existing, False
+        plan: Plan | None = None
+        if quote is not None:
+            spec, plan = self._quoted(principal, spec, quote)
+        topology, fingerprint = self.capacity()
+        if topology is not None:
+            missing = self._feasible.shortfall(topology, fingerprint, spec)
+            if missing is not None:
+                raise NeverFits(f"the job can never fit: {missing}")
+        gpus = gpus_of(spec)
+        try:
+            with self.registry.write() as session:
+                tenant = session.scalar(
+                    select(Tenant).where(Tenant.id == principal.tenant_id).with_for_update()
+                )
+                if tenant is None:
+                    raise NotFound(f"tenant {principal.tenant!r} no longer exists")
+                if tenant.gpu_quota is not None:
+                    held = session.scalar(
+                        select(func.coalesce(func.sum(Job.gpus), 0)).where(
+                            Job.tenant_id == tenant.id, Job.state.in_(states.UNFINISHED)
+                        )
+                    )
+                    if int(held or 0) + gpus > tenant.gpu_quota:
+                        raise QuotaExceeded(
+                            f"quota: tenant {tenant.name!r} may hold {tenant.gpu_quota} GPUs; "
+                            f"its unfinished jobs ask for {held}, this one for {gpus}"
+                        )
+                job = Job(
+                    id=f"job-{uuid.uuid4().hex[:12]}",
+                    name=spec.name,
+                    state=JobState.PENDING,
+                    state_reason="queued",
+                    spec=spec.model_dump(mode="json"),
+                    plan=plan.model_dump(mode="json") if plan is not None else None,
+                    tenant_id=tenant.id,
+                    priority=spec.priority,
+                    gpus=gpus,
+                    idempotency_key=idempotency_key,
+                    request_hash=digest,
+                    quote_id=quote.quote_id if quote is not None else None,
+                    quote_candidate=quote.candidate if quote is not None else None,
+                )
+                session.add(job)
+                session.flush()
+                record_event(
+                    session,
+                    EventKind.JOB_SUBMITTED,
+                    f"job {job.id} ({spec.name}) submitted by {tenant.name}: {gpus} GPUs, "
+                    f"priority {spec.priority}",
+                    job_id=job.id,
+                    data={"tenant": tenant.name, "gpus": gpus, "priority": spec.priority},
+                )
+                view = JobView(job, tenant.name, Progress.empty(spec))
+        except IntegrityError:
+            # The same Idempotency-Key raced in from another request: return that job.
+            if idempotency_key is not None:
+                existing = self._by_key(principal, idempotency_key, digest)
+                if existing is not None:
+                    return existing, False
+            raise
+        self.wake()
+        return view, True
+
+    def _by_key(self, principal: Principal, key: str, digest: str) -> JobView | None:
+        with self.registry.read() as session:
+            job = session.scalar(
+                select(Job).where(Job.tenant_id == principal.tenant_id, Job.idempotency_key == key)
+            )
+            if job is None:
+                return None
+            if job.request_hash != digest:
+                raise Conflict(
+                    f"Idempotency-Key: {key[:64]!r} was used for job {job.id} with another body"
+                )
+            return self._view(session, job)
+
+    def _quoted(
+        self, principal: Principal, spec: JobSpec, choice: QuoteChoice
+    ) -> tuple[JobSpec, Plan]:
+        with self.registry.read() as session:
+            quote = session.get(Quote, choice.quote_id) if len(choice.quote_id) <= 64 else None
+            if quote is None or not (principal.admin or quote.tenant_id == principal.tenant_id):
+                raise InvalidRequest(f"quote_id: {choice.quote_id[:64]!r}: no such quote")
+            if quote.expires_at <= utcnow():
+                raise InvalidRequest(
+                    f"quote_id: quote {quote.id} expired at {quote.expires_at:%Y-%m-%d %H:%M:%S}Z"
+                )
+            if not 0 <= choice.candidate < len(quote.candidates):
+                raise InvalidRequest(
+                    f"candidate: quote {quote.id} has candidates 0–{len(quote.candidates) - 1}"
+                )
+            quoted = JobSpec.model_validate(quote.spec)
+        if _shape(quoted) != _shape(spec):
+            raise InvalidRequest(
+                f"quote_id: quote {quote.id} was made for another job "
+                "(only name and priority may differ)"
+            )
+        plan = Plan.model_validate(quote.candidates[choice.candidate]["plan"])
+        fixed = spec.model_copy(update={"parallel": plan.parallel, "gpus": None})
+        return JobSpec.model_validate(fixed.model_dump()), plan
+
+    # ------------------------------------------------------------------ cancelling
+
+    def cancel(self, principal: Principal, job_id: str, reason: str = "") -> JobView:
+        """End a job: CANCELLED at once; the loop stops its workers and frees its GPUs."""
+        with self.registry.write() as session:
+            job = self._visible(session, principal, job_id)
+            session.refresh(job, with_for_update=True)
+            if job.state.terminal:
+                raise Conflict(f"job {job.id} already ended: {job.state.value}")
+            why = reason or f"cancelled by {principal.tenant}"
+            states.transition(session, job, JobState.CANCELLED, why)
+            view = self._view(session, job)
+        self.wake()
+        return view
+
+
+def _shape(spec: JobSpec) -> str:
+    return json.dumps(spec.model_dump(mode="json", exclude={"name", "priority"}), sort_keys=True)
+
+
+__all__: Sequence[str] = ["JobService", "JobView", "QuoteChoice", "gpus_of"]

@@ -1,0 +1,279 @@
+"""One worker's training state in `torch.distributed.checkpoint` form, and its way back.
+
+Every tensor is keyed by what it is in the whole model, never by rank:
+  - `model/<name>`, `optim/<name>/exp_avg`, `optim/<name>/exp_avg_sq`: the worker's piece of
+    each parameter (and its AdamW moments) as a DTensor of the whole logical parameter
+    (`cpn.train.parallelize.ShardLayout`), replicated over the stage's data-parallel
+    replicas and split over its tensor-parallel group — so a run with any dp × tp × pp
+    loads it, each worker reading exactly the pieces it holds;
+  - `comm/residual/<site>/<name>`, `comm/velocity/<site>/<name>`: top-k error feedback is
+    a site's memory (the leader of each site keeps what its site has not sent yet), keyed
+    by site name and split like the parameter;
+  - `train/step`, `optim/step`, `comm/step`, `comm/skipped`: counters, equal on every rank.
+
+A run that resumes on another layout gets every parameter and moment exactly. Error
+feedback of a site that no longer holds the stage (or of a parameter now synced dense) has
+no place to go: its mass is added once to the gradient of the first site's leader and
+that step is synced dense, so nothing the old run held back is lost ("flushed with one
+dense step"); DGC velocities of such sites are dropped (they only smooth).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from cpn.errors import InputError
+from cpn.train.checkpoint import CheckpointStore
+from cpn.train.data_parallel import DataParallelSync
+from cpn.train.layout import Layout
+from cpn.train.parallelize import ShardLayout
+
+log = logging.getLogger("cpn.train")
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: DeviceMesh, lead: int) -> DTensor:
+    """`local` (already the logical piece) as a DTensor on `mesh`, whose last dimension is
+    the tensor-parallel group and whose `lead` first dimensions replicate it."""
+    split = Shard(layout.dim) if layout.dim is not None else Replicate()
+    return DTensor.from_local(
+        local,
+        mesh,
+        [*([Replicate()] * lead), split],
+        run_check=False,
+        shape=torch.Size(layout.shape),
+        stride=_strides(layout.shape),
+    )
+
+
+@dataclass
+class Resumed:
+    """What loading a checkpoint found (the trainer logs it)."""
+
+    step: int
+    flushed_sites: list[str] = field(default_factory=list)
+    dropped_velocity_sites: list[str] = field(default_factory=list)
+
+
+class WorkerSnapshot:
+    """Builds the worker's state dict for `dcp.save` and restores one with `dcp.load`."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sync: DataParallelSync,
+        layout: Layout,
+        shards: dict[str, ShardLayout],
+        device: torch.device,
+    ) -> None:
+        self.module, self.optimizer, self.sync = module, optimizer, sync
+        self.layout, self.shards, self.device = layout, shards, device
+        self.names = [name for name, _ in module.named_parameters()]
+        self._mesh: DeviceMesh | None = None
+
+    # -- meshes --------------------------------------------------------------------------
+    def mesh(self) -> DeviceMesh:
+        """(pp, dp, tp) over the world: the plan's rank layout is this row-major order.
+        Collective on first use (every worker checkpoints at the same steps)."""
+        if self._mesh is None:
+            p = self.layout.plan.parallel
+            self._mesh = init_device_mesh(
+                self.device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp")
+            )
+        return self._mesh
+
+    def _stage_mesh(self) -> DeviceMesh:
+        return self.mesh()["dp", "tp"]
+
+    def _tp_mesh(self) -> DeviceMesh:
+        return self.mesh()["tp"]
+
+    # -- what is saved ---------------------------------------------------------------------
+    def _params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        yield from self.module.named_parameters()
+
+    def _site_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(kind, parameter name, local buffer) of the error feedback this worker keeps."""
+        state = self.sync.main
+        if not state.sparse or state.groups.leaders is None:
+            return
+        for slot, position in enumerate(self.sync.sparse_positions):
+            name = self.names[position]
+            if slot in state.residuals:
+                yield "residual", name, state.residuals[slot]
+            if slot in state.velocities:
+                yield "velocity", name, state.velocities[slot]
+
+    def state_dict(self, step: int, *, copy: bool) -> dict[str, Any]:
+        """The tensors to save; `copy` for an asynchronous save (training goes on)."""
+
+        def piece(name: str, t: torch.Tensor) -> torch.Tensor:
+            view = self.shards[name].local_view(t.detach().view(self._param_shape(name)))
+            return view.clone() if copy else view
+
+        out: dict[str, Any] = {"train/step": torch.tensor(step, device="cpu")}
+        stage_mesh = self._stage_mesh()
+        optimizer_step = 0.0
+        for name, p in self._params():
+            out[f"model/{name}"] = _dtensor(piece(name, p), self.shards[name], stage_mesh, 1)
+            st = self.optimizer.state.get(p, {})
+            for moment in ("exp_avg", "exp_avg_sq"):
+                if moment in st:
+                    out[f"optim/{name}/{moment}"] = _dtensor(
+                        piece(name, st[moment]), self.shards[name], stage_mesh, 1
+                    )
+            if "step" in st:
+                optimizer_step = float(st["step"])
+        out["optim/step"] = torch.tensor(optimizer_step, device="cpu")
+        out["comm/step"] = torch.tensor(self.sync.main.step, device="cpu")
+        out["comm/skipped"] = torch.tensor(self.sync.skipped_steps, device="cpu")
+        site = self.layout.me.site
+        scale = self.sync.main.feedback_scale
+        for kind, name, buf in self._site_state():
+            # In sums of gradients, whatever this run's group size (`feedback_scale`).
+            kept = piece(name, buf) if scale == 1.0 else piece(name, buf) * scale
+            out[f"comm/{kind}/{site}/{name}"] = _dtensor(
+                kept, self.shards[name], self._tp_mesh(), 0
+            )
+        return out
+
+    def _param_shape(self, name: str) -> torch.Size:
+        return dict(self._params())[name].shape
+
+    # -- loading ---------------------------------------------------------------------------
+    def load(self, store: CheckpointStore, step: int) -> Resumed:
+        metadata = store.metadata(step)
+        keys = metadata.state_dict_metadata
+        target: dict[str, Any] = {
+            "train/step": torch.tensor(0, device="cpu"),
+            "optim/step": torch.tensor(0.0, device="cpu"),
+            "comm/step": torch.tensor(0, device="cpu"),
+            "comm/skipped": torch.tensor(0, device="cpu"),
+        }
+        stage_mesh = self._stage_mesh()
+        for name, p in self._params():
+            key = f"model/{name}"
+            self._check_shape(metadata, key, self.shards[name], store, step)
+            target[key] = _dtensor(
+                self.shards[name].local_view(p.data), self.shards[name], stage_mesh, 1
+            )
+            st = self.optimizer.state[p]
+            # AdamW keeps its step count on the CPU (it is not capturable here).
+            st["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
+            for moment in ("exp_avg", "exp_avg_sq"):
+                st[moment] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                target[f"optim/{name}/{moment}"] = _dtensor(
+                    self.shards[name].local_view(st[moment]), self.shards[name], stage_mesh, 1
+                )
+        resumed = Resumed(step=step)
+        pending = self._site_targets(keys, target, resumed)
+        self._read(store, step, target)
+        optimizer_step = float(target["optim/step"])
+        for _, p in self._params():
+            self.optimizer.state[p]["step"].fill_(optimizer_step)
+        main = self.sync.main
+        main.step = int(target["comm/step"])
+        main.skipped_steps = int(target["comm/skipped"])
+        if main.feedback_scale != 1.0:  # stored in sums of gradients
+            for store_ in (main.residuals, main.velocities):
+                for buf in store_.values():
+                    buf.div_(main.feedback_scale)
+        if pending is not None:
+            mass = {
+                self.names.index(name): torch.stack([t.to_local() for t in parts]).sum(0)
+                for name, parts in pending.items()
+            }
+            self.sync.flush(mass)
+        elif resumed.flushed_sites:
+            self.sync.flush({})  # another leader carries the mass; sync this step dense too
+        resumed.step = int(target["train/step"])
+        return resumed
+
+    def _site_targets(
+        self, keys: dict[str, Any], target: dict[str, Any], resumed: Resumed
+    ) -> dict[str, list[DTensor]] | None:
+        """Add this worker's error-feedback entries to `target`; return the pieces of other
+        sites' residuals it must flush (first site's leader only), or None."""
+        state = self.sync.main
+        groups = state.groups
+        mine = set(self.names)
+        site = self.layout.me.site
+        sparse_names = {self.names[i]: slot for slot, i in enumerate(self.sync.sparse_positions)}
+        is_leader = groups.leaders is not None
+        flusher = is_leader and groups.site == groups.sites[0]
+        pending: dict[str, list[DTensor]] = {}
+        for key in keys:
+            parts = key.split("/", 3)
+            if len(parts) != 4 or parts[0] != "comm" or parts[3] not in mine:
+                continue
+            _, kind, owner, name = parts
+            here = owner in groups.sites and name in sparse_names and state.sparse
+            if kind == "velocity":
+                if here and owner == site and is_leader:
+                    buf = self._buffer(state.velocities, sparse_names[name], name)
+                    target[key] = self._site_dtensor(name, buf)
+                elif not here and owner not in resumed.dropped_velocity_sites:
+                    resumed.dropped_velocity_sites.append(owner)
+                continue
+            if here:
+                if owner == site and is_leader:
+                    buf = self._buffer(state.residuals, sparse_names[name], name)
+                    target[key] = self._site_dtensor(name, buf)
+                continue
+            if owner not in resumed.flushed_sites:
+                resumed.flushed_sites.append(owner)
+            if flusher:
+                scratch = torch.zeros_like(
+                    dict(self._params())[name], memory_format=torch.contiguous_format
+                )
+                target[key] = self._site_dtensor(name, scratch)
+                pending.setdefault(name, []).append(target[key])
+        return pending if flusher and pending else None
+
+    def _buffer(self, store: dict[int, torch.Tensor], slot: int, name: str) -> torch.Tensor:
+        numel = dict(self._params())[name].numel()
+        return self.sync.main.buffer(store, slot, numel, self.device)
+
+    def _site_dtensor(self, name: str, buf: torch.Tensor) -> DTensor:
+        view = self.shards[name].local_view(buf.view(self._param_shape(name)))
+        return _dtensor(view, self.shards[name], self._tp_mesh(), 0)
+
+    def _check_shape(
+        self, metadata: Metadata, key: str, layout: ShardLayout, store: CheckpointStore, step: int
+    ) -> None:
+        meta = metadata.state_dict_metadata.get(key)
+        where = f"checkpoint {store.step_path(step)}"
+        if not isinstance(meta, TensorStorageMetadata):
+            raise InputError(f"{where}: has no {key} (written for another model?)")
+        if tuple(meta.size) != layout.shape:
+            raise InputError(
+                f"{where}: {key} is {tuple(meta.size)}, this model's is {layout.shape}"
+            )
+
+    def _read(self, store: CheckpointStore, step: int, target: dict[str, Any]) -> None:
+        try:
+            load(target, storage_reader=store.reader(step))
+        except InputError:
+            raise
+        except Exception as exc:  # a corrupt or truncated data file: name the checkpoint
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(
+                f"checkpoint {store.step_path(step)}: cannot be read ({first})"
+            ) from None

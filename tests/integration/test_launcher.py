@@ -1,0 +1,127 @@
+"""`cpn train` through torch's elastic agent: a dead worker ends the run within seconds and
+names itself; SIGTERM, and even SIGKILL, of `cpn train` leaves no worker behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runtime import tiny_job, write_run
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    """Every live descendant of `pid`."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        here = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == here]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _plan_rank(pid: int) -> int | None:
+    """The plan rank of a worker process (from its launcher-given environment)."""
+    try:
+        env = dict(
+            line.split("=", 1)
+            for line in (Path("/proc") / str(pid) / "environ").read_text().split("\0")
+            if "=" in line
+        )
+        cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    if b"worker" not in cmdline or "CPN_PLAN_RANKS" not in env:
+        return None
+    return int(env["CPN_PLAN_RANKS"].split(",")[int(env["LOCAL_RANK"])])
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+def _start_training(tmp: Path) -> tuple[subprocess.Popen[str], dict[int, int]]:
+    """`cpn train` on an 8-worker plan that runs for long; returns it once every worker
+    has trained a step, with the workers' pids by plan rank."""
+    job_path, plan_path, _ = write_run(tmp, "long", tiny_job(2, 2, 2, steps=100_000))
+    train = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cpn",
+            "train",
+            "--plan",
+            str(plan_path),
+            "--job",
+            str(job_path),
+            "--workdir",
+            str(tmp / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = list((tmp / "run").glob("rank-*.metrics.jsonl"))
+        if len(metrics) == 8 and all(p.stat().st_size > 0 for p in metrics):
+            break
+        assert train.poll() is None, train.communicate()
+        time.sleep(0.2)
+    else:
+        train.kill()
+        raise AssertionError("workers did not start training within 120 s")
+    workers = {r: pid for pid in _children(train.pid) if (r := _plan_rank(pid)) is not None}
+    assert sorted(workers) == list(range(8))
+    return train, workers
+
+
+def test_a_killed_worker_ends_the_run_within_seconds_naming_its_rank(tmp_path: Path) -> None:
+    train, workers = _start_training(tmp_path)
+    killed = time.monotonic()
+    os.kill(workers[5], signal.SIGKILL)
+    _, err = train.communicate(timeout=60)
+    ended = time.monotonic() - killed
+    assert train.returncode == 1
+    assert "error: worker 5 exited with status -9" in err
+    assert ended < 10, f"the run took {ended:.1f} s to end"
+    assert _alive(list(workers.values())) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_no_worker_outlives_cpn_train(tmp_path: Path, sig: signal.Signals) -> None:
+    train, workers = _start_training(tmp_path)
+    train.send_signal(sig)
+    train.communicate(timeout=60)
+    assert train.returncode in (128 + sig, -sig)
+    deadline = time.monotonic() + 15
+    while _alive(list(workers.values())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _alive(list(workers.values())) == [], "workers outlived cpn train"
