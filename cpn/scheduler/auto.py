@@ -6,7 +6,8 @@ micro-batches, and every stage fitting in the memory of some eligible GPU. They 
 solved in order of a proven lower bound on their iteration time (`time_bound.py`: compute,
 pipeline hops and data-parallel sync any placement must pay; without the pattern machinery,
 pure compute on the fastest eligible GPU), sharing the budget; a candidate whose bound is
-no better than the best plan found so far is pruned without solving. The plan with the
+no better than the best plans found so far (the winner and its runners-up) is pruned
+without solving. The plan with the
 best predicted iteration time wins (DESIGN.md §4); the next ones are reported as
 runners-up. The report's gap is on iteration time against the least bound of the layouts
 solved, which bounds every layout (the pruned ones' bounds are above the best plan).
@@ -109,8 +110,11 @@ def plan_auto(
     tried: list[tuple[float, ParallelSpec, Instance, Solved, float]] = []
     pruned = 0
     for i, (bound, par) in enumerate(ranked):
-        best = min((t[0] for t in tried), default=float("inf"))
-        if bound >= best:
+        # A layout is pruned when its bound shows it can be neither the best plan nor a
+        # runner-up: no better than the slowest of the best 1 + RUNNERS_UP plans so far.
+        times = sorted(t[0] for t in tried)
+        cutoff = times[RUNNERS_UP] if len(times) > RUNNERS_UP else float("inf")
+        if bound >= cutoff:
             pruned += len(ranked) - i  # sorted by bound: every later one is pruned too
             break
         if progress is not None:
