@@ -12,6 +12,7 @@ from api.routes import health, jobs, quotes, sites, topology
 from cpn import __version__
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService, ServiceMetrics
+from cpn.orchestration.tenants import KeyCache
 from cpn.registry import Registry
 
 
@@ -36,6 +37,7 @@ def create_app(
     app.state.settings = settings
     app.state.service = service or JobService(registry, settings)
     app.state.metrics = metrics or ServiceMetrics(registry)
+    app.state.keys = KeyCache(settings.api_key_cache_s)
     app.state.ready = ready
     errors.install(app)
     for module in (jobs, quotes, sites, topology, health):

@@ -32,6 +32,9 @@ from cpn.orchestration.errors import NeverFits, QuotaExceeded
 from cpn.registry.models import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+# The endpoints are `async def` and hand their database work to a worker thread in one
+# `run_in_threadpool` call. A plain `def` endpoint costs two hops (FastAPI runs the
+# function, and then the response model's validation, in the thread pool).
 
 JobId = Annotated[str, Query(max_length=64)]
 #: How often a followed log looks for new lines.
@@ -87,7 +90,7 @@ def job_public(view: JobView) -> JobPublic:
         422: {"description": "A field is invalid, or the job can never fit (the shortfall)"},
     },
 )
-def submit_job(
+async def submit_job(
     body: JobCreate,
     service: ServiceDep,
     principal: PrincipalDep,
@@ -106,8 +109,12 @@ def submit_job(
     shortfall."""
     quote = QuoteChoice(body.quote_id, body.candidate) if body.quote_id is not None else None
     try:
-        view, created = service.submit(
-            principal, body.spec(), idempotency_key=idempotency_key or None, quote=quote
+        view, created = await run_in_threadpool(
+            service.submit,
+            principal,
+            body.spec(),
+            idempotency_key=idempotency_key or None,
+            quote=quote,
         )
     except NeverFits:
         metrics.refused.labels("never_fits").inc()
@@ -123,7 +130,7 @@ def submit_job(
 
 
 @router.get("", response_model=JobsPublic)
-def list_jobs(
+async def list_jobs(
     service: ServiceDep,
     principal: PrincipalDep,
     state: JobState | None = None,
@@ -131,31 +138,33 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> JobsPublic:
     """The tenant's jobs (every tenant's for an admin), newest first."""
-    views, count = service.list_jobs(principal, state=state, skip=skip, limit=limit)
+    views, count = await run_in_threadpool(
+        service.list_jobs, principal, state=state, skip=skip, limit=limit
+    )
     return JobsPublic(data=[job_public(v) for v in views], count=count)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
+async def get_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
     """State and its reason, plan, progress (step of steps, loss, tokens/s, bytes per
     link class measured beside predicted), failure."""
-    return job_public(service.get(principal, job_id))
+    return job_public(await run_in_threadpool(service.get, principal, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
+async def cancel_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
     """Cancel: CANCELLED at once; every worker is stopped and the GPUs freed."""
-    return job_public(service.cancel(principal, job_id))
+    return job_public(await run_in_threadpool(service.cancel, principal, job_id))
 
 
 @router.delete("/{job_id}", response_model=JobPublic)
-def delete_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
+async def delete_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
     """The same as POST /v1/jobs/{id}/cancel (the job's record is kept)."""
-    return job_public(service.cancel(principal, job_id))
+    return job_public(await run_in_threadpool(service.cancel, principal, job_id))
 
 
 @router.get("/{job_id}/events", response_model=list[EventPublic])
-def job_events(
+async def job_events(
     job_id: str,
     service: ServiceDep,
     principal: PrincipalDep,
@@ -165,12 +174,14 @@ def job_events(
     """Every state transition with its reason, allocations, orders, rank states."""
     return [
         EventPublic(id=e.id, at=e.at, kind=e.kind, message=e.message, data=e.data)
-        for e in service.events(principal, job_id, after=after, limit=limit)
+        for e in await run_in_threadpool(
+            service.events, principal, job_id, after=after, limit=limit
+        )
     ]
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
-def job_metrics(
+async def job_metrics(
     job_id: str,
     service: ServiceDep,
     principal: PrincipalDep,
@@ -179,7 +190,7 @@ def job_metrics(
 ) -> MetricsPublic:
     """The per-step series: loss, the slowest rank's time, tokens/s, bytes by link class
     summed over ranks, and how many ranks reported the step."""
-    job, rows = service.steps(principal, job_id, after=after, limit=limit)
+    job, rows = await run_in_threadpool(service.steps, principal, job_id, after=after, limit=limit)
     tokens = int(job.spec["train"]["global_batch"]) * int(job.spec["model"]["seq_len"])
     predicted = None
     ranks = 0

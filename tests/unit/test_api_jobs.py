@@ -5,6 +5,7 @@ bounded property-based fuzz of the whole OpenAPI that must find no 500."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,7 +22,7 @@ from cpn.contracts import Plan, Topology
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService
 from cpn.orchestration.admission import Admitted, try_admit
-from cpn.orchestration.tenants import create_key, revoke_key
+from cpn.orchestration.tenants import KeyCache, Principal, create_key, revoke_key
 from cpn.registry import Registry, apply_heartbeats
 from cpn.registry.leases import HeartbeatRecord, LinkSample
 from cpn.registry.models import Allocation, Job, JobState, RendezvousPort, Role, utcnow
@@ -60,7 +61,7 @@ def api(registry: Registry) -> Iterator[Api]:
             "bob": create_key(s, "bob").key,
             "admin": create_key(s, "ops", role=Role.ADMIN).key,
         }
-    cfg = ControlSettings(database_url=registry.url, plan_time_limit_s=1.0)
+    cfg = ControlSettings(database_url=registry.url, plan_time_limit_s=1.0, api_key_cache_s=0.3)
     app = create_app(registry, settings=cfg, service=JobService(registry, cfg))
     with TestClient(app) as http:
         yield Api(http, registry, cfg, keys)
@@ -94,8 +95,38 @@ def test_keys_missing_unknown_or_revoked_get_401(api: Api) -> None:
     assert api.http.get("/v1/jobs", headers=api.as_("bob")).status_code == 200
     with api.registry.write() as s:
         revoke_key(s, api.keys["bob"][:12])
+    # Accepted keys are cached for api_key_cache_s: that is the bound on revocation.
+    time.sleep(api.settings.api_key_cache_s)
     reply = api.http.get("/v1/jobs", headers=api.as_("bob"))
     assert reply.status_code == 401 and "revoked" in reply.json()["detail"]
+    assert api.http.post("/v1/jobs", json=tiny_job("x"), headers=api.as_("bob")).status_code == 401
+
+
+def test_a_revoked_key_is_refused_at_once_without_the_cache(registry: Registry) -> None:
+    with registry.write() as s:
+        key = create_key(s, "carol").key
+    cfg = ControlSettings(database_url=registry.url, api_key_cache_s=0)
+    headers = {"Authorization": f"Bearer {key}"}
+    with TestClient(create_app(registry, settings=cfg)) as http:
+        assert http.get("/v1/jobs", headers=headers).status_code == 200
+        with registry.write() as s:
+            revoke_key(s, key)
+        assert http.get("/v1/jobs", headers=headers).status_code == 401
+
+
+def test_the_key_cache_forgets_after_its_ttl_and_keeps_no_refusals() -> None:
+    principal = Principal(tenant_id=1, tenant="t", role=Role.USER)
+    cache = KeyCache(ttl_s=0.2, size=2)
+    cache.put("cpn_a", principal)
+    assert cache.get("cpn_a") == principal and cache.get("cpn_b") is None
+    cache.put("cpn_b", principal)
+    cache.put("cpn_c", principal)  # over size: the oldest goes
+    assert cache.get("cpn_a") is None and cache.get("cpn_c") == principal
+    time.sleep(0.2)
+    assert cache.get("cpn_c") is None
+    off = KeyCache(ttl_s=0)
+    off.put("cpn_a", principal)
+    assert off.get("cpn_a") is None
 
 
 def test_a_tenant_sees_only_its_own_jobs(api: Api) -> None:
