@@ -34,7 +34,12 @@ class JobCreate(JobSpec):
         return self
 
     def spec(self) -> JobSpec:
-        return JobSpec.model_validate(self.model_dump(exclude={"quote_id", "candidate"}))
+        """The job without the quote fields. This object was validated as a JobSpec
+        already (it is one): its fields are copied, not dumped and validated again."""
+        fields = JobSpec.model_fields
+        return JobSpec.model_construct(
+            self.model_fields_set & fields.keys(), **{name: getattr(self, name) for name in fields}
+        )
 
 
 class LinkBytesPublic(BaseModel):
