@@ -58,12 +58,16 @@ async def get_principal(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
-    """The tenant and role the request's API key acts for (401 otherwise).
+    """The tenant and role the request's API key acts for (401 otherwise)."""
+    return await principal_of(request, credentials.credentials if credentials else None)
 
-    Async, and answered from the key cache when it can be (ControlSettings.api_key_cache_s
-    bounds how long a revoked key still works): a hit costs no database round trip and
-    no hop to a worker thread; a miss looks the key up in one."""
-    key = check_form(credentials.credentials if credentials else None)
+
+async def principal_of(request: Request, key: str | None) -> Principal:
+    """Who `key` acts for, answered from the key cache when it can be
+    (ControlSettings.api_key_cache_s bounds how long a revoked key still works): a hit
+    costs no database round trip and no hop to a worker thread; a miss looks the key up
+    in one. Unauthorized if the key is missing, malformed, unknown or revoked."""
+    key = check_form(key)
     cache: KeyCache = request.app.state.keys
     principal = cache.get(key)
     if principal is None:
@@ -84,3 +88,4 @@ ServiceDep = Annotated[JobService, Depends(get_service)]
 SettingsDep = Annotated[ControlSettings, Depends(get_settings)]
 MetricsDep = Annotated[ServiceMetrics, Depends(get_metrics)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any
 
@@ -15,7 +16,42 @@ from cpn.registry.models import JobState
 MAX_GPUS = 65_536
 
 
-class JobCreate(JobSpec):
+def unstorable(value: object, where: str = "") -> str | None:
+    """Why a JSON value cannot be stored as it is, naming its field: a NaN or infinite
+    number (Python's JSON parser accepts `NaN` and `Infinity`; PostgreSQL's json type does
+    not, and no field means them), or a string with a NUL character (PostgreSQL text
+    cannot hold one). None if it can."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where or 'body'}: must be a finite number, got {value}"
+    if isinstance(value, str) and "\x00" in value:
+        return f"{where or 'body'}: must not contain a NUL character"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = unstorable(item, f"{where}.{key}" if where else str(key))
+            if problem:
+                return problem
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            problem = unstorable(item, f"{where}[{i}]")
+            if problem:
+                return problem
+    return None
+
+
+class StorableBody(BaseModel):
+    """A request body refused (422, the field named) if it holds a value the registry
+    cannot store, before any field is validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, data: Any) -> Any:
+        problem = unstorable(data)
+        if problem:
+            raise ValueError(problem)
+        return data
+
+
+class JobCreate(JobSpec, StorableBody):
     """The job YAML's fields (docs/contracts.md) as JSON, and optionally a quote to use."""
 
     quote_id: str | None = Field(

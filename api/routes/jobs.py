@@ -4,15 +4,16 @@ server-sent events). A tenant sees only its own jobs: another's is a 404."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from api.deps import MetricsDep, PrincipalDep, ServiceDep
+from api.deps import BearerDep, MetricsDep, PrincipalDep, ServiceDep, principal_of
 from api.job_schemas import (
     EventPublic,
     FailurePublic,
@@ -28,7 +29,7 @@ from api.job_schemas import (
 )
 from cpn.contracts import Plan
 from cpn.orchestration import JobView, QuoteChoice
-from cpn.orchestration.errors import NeverFits, QuotaExceeded
+from cpn.orchestration.errors import NeverFits, QuotaExceeded, ServiceError
 from cpn.registry.models import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -100,6 +101,7 @@ async def submit_job(
         str | None,
         Header(
             max_length=128,
+            pattern=r"^[^\x00-\x1f\x7f]*$",
             description="Sending the same key (and body) again returns the first job.",
         ),
     ] = None,
@@ -232,15 +234,19 @@ def _line(row: object) -> LogLinePublic:
         200: {
             "description": "The lines as JSON; with follow=true, a text/event-stream of "
             "`line` events (each a LogLinePublic) that ends with one `end` event when the "
-            "job has ended",
+            'job has ended, or with one `error` event ({"detail": …}) when it cannot go '
+            "on: the API key was revoked, or the server is shutting down (follow again "
+            "with ?after= the last line's id)",
             "content": {"text/event-stream": {}},
         }
     },
 )
 async def job_logs(
     job_id: str,
+    request: Request,
     service: ServiceDep,
     principal: PrincipalDep,
+    credentials: BearerDep,
     rank: Annotated[int | None, Query(ge=0, le=2**31)] = None,
     after: Annotated[int, Query(ge=0, le=2**62, description="lines after this id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
@@ -253,6 +259,11 @@ async def job_logs(
     )
     if not follow:
         return LogsPublic(job_id=job.id, lines=[_line(x) for x in lines], ended=ended)
+    key = credentials.credentials if credentials else None
+    stopping: asyncio.Event = request.app.state.stopping
+
+    def error(detail: str) -> bytes:
+        return format_sse_event(data_str=json.dumps({"detail": detail}), event="error")
 
     async def stream() -> AsyncIterator[bytes]:
         nonlocal lines, ended
@@ -263,17 +274,28 @@ async def job_logs(
                 yield format_sse_event(
                     data_str=_line(row).model_dump_json(), event="line", id=str(row.id)
                 )
-            if ended and not lines:
-                final, _, _ = await run_in_threadpool(
-                    service.logs, principal, job_id, rank=rank, after=last, limit=1
+            try:
+                if ended and not lines:
+                    final, _, _ = await run_in_threadpool(
+                        service.logs, principal, job_id, rank=rank, after=last, limit=1
+                    )
+                    end = {"state": final.state.value, "reason": final.state_reason}
+                    yield format_sse_event(data_str=json.dumps(end), event="end")
+                    return
+                if not lines:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stopping.wait(), FOLLOW_POLL_S)
+                if stopping.is_set():
+                    yield error(f"the server is shutting down; follow again after line {last}")
+                    return
+                # The key is checked again on every poll (through the key cache), so a
+                # revoked key stops a stream as promptly as it stops any other request.
+                await principal_of(request, key)
+                _, lines, ended = await run_in_threadpool(
+                    service.logs, principal, job_id, rank=rank, after=last, limit=limit
                 )
-                end = {"state": final.state.value, "reason": final.state_reason}
-                yield format_sse_event(data_str=json.dumps(end), event="end")
+            except ServiceError as exc:  # the key was revoked, the job is gone
+                yield error(str(exc))
                 return
-            if not lines:
-                await asyncio.sleep(FOLLOW_POLL_S)
-            _, lines, ended = await run_in_threadpool(
-                service.logs, principal, job_id, rank=rank, after=last, limit=limit
-            )
 
     return EventSourceResponse(stream())

@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # imported when the command runs, so that `cpn --help` stays 
     from cpn.control import ControlSettings, SiteTokens
 
 log = logging.getLogger("cpn.serve")
+#: How long HTTP requests still running at shutdown may take before they are cancelled.
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def setup_logging(level: str) -> None:
@@ -247,11 +249,24 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
         return None if orchestrator.ticks > 0 else "the orchestration loop has not run yet"
 
     app = create_app(registry, settings=settings, service=service, metrics=metrics, ready=ready)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    # Requests still running at shutdown get GRACEFUL_SHUTDOWN_S to finish, then are
+    # cancelled: a stop never waits on a client.
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     http = HttpServer(config)
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        app.state.stopping.set()  # followed log streams end now
+        http.request_exit()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, http.request_exit)
+        loop.add_signal_handler(sig, stop)
     http_port = http_sock.getsockname()[1]
     shown = make_url(settings.database_url).render_as_string(hide_password=True)
     # Everything loaded so far (modules, the ORM's mappers) lives as long as the process:

@@ -99,7 +99,9 @@ class JobService:
     # ------------------------------------------------------------------ reading
 
     def _visible(self, session: Session, principal: Principal, job_id: str) -> Job:
-        job = session.get(Job, job_id) if len(job_id) <= 64 else None
+        # An id that cannot be one (too long, or with a NUL that PostgreSQL refuses in a
+        # query) is simply not found.
+        job = session.get(Job, job_id) if _could_be_id(job_id) else None
         if job is None or not (principal.admin or job.tenant_id == principal.tenant_id):
             raise NotFound(f"job {job_id[:64]!r}: no such job")
         return job
@@ -380,7 +382,7 @@ class JobService:
         self, principal: Principal, spec: JobSpec, choice: QuoteChoice
     ) -> tuple[JobSpec, Plan]:
         with self.registry.read() as session:
-            quote = session.get(Quote, choice.quote_id) if len(choice.quote_id) <= 64 else None
+            quote = session.get(Quote, choice.quote_id) if _could_be_id(choice.quote_id) else None
             if quote is None or not (principal.admin or quote.tenant_id == principal.tenant_id):
                 raise InvalidRequest(f"quote_id: {choice.quote_id[:64]!r}: no such quote")
             if quote.expires_at <= utcnow():
@@ -437,6 +439,10 @@ class _TenantRow:
     name: str
     gpu_quota: int | None
     existing: str | None  # the job already made with this Idempotency-Key
+
+
+def _could_be_id(value: str) -> bool:
+    return len(value) <= 64 and "\x00" not in value
 
 
 def _columns(job: Job) -> dict[str, object]:

@@ -5,6 +5,7 @@ bounded property-based fuzz of the whole OpenAPI that must find no 500."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -216,6 +217,40 @@ def test_malformed_bodies_get_422_naming_the_field(
     assert reply.status_code == 422, reply.text
     assert words in reply.json()["message"], reply.json()
     assert _jobs(api.registry) == 0
+
+
+def test_values_a_database_cannot_store_get_422_naming_the_field(registry: Registry) -> None:
+    """NaN and Infinity (Python's JSON parser takes them; PostgreSQL's json does not) and
+    NUL characters (PostgreSQL text cannot hold one): refused before anything is stored,
+    also with no live site (where no never-fit check stands in front of the insert)."""
+    with registry.write() as s:
+        key = create_key(s, "t").key
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    infinite = tiny_job("inf")
+    infinite["constraints"] = {"min_gpu_memory_gb": 1e999}
+    nul_model = tiny_job("nul")
+    nul_model["constraints"] = {"gpu_model": "A100\x00"}
+    cases = [
+        ("/v1/jobs", json.dumps(infinite), "constraints.min_gpu_memory_gb: must be a finite"),
+        ("/v1/quotes", json.dumps(infinite), "constraints.min_gpu_memory_gb: must be a finite"),
+        ("/v1/jobs", json.dumps(tiny_job("nan")).replace("0.001", "NaN"), "train.lr: must be a"),
+        ("/v1/jobs", json.dumps(nul_model), "constraints.gpu_model: must not contain a NUL"),
+        ("/v1/jobs", json.dumps({**tiny_job("q"), "quote_id": "q\x00"}), "quote_id: must not"),
+    ]
+    with TestClient(create_app(registry), raise_server_exceptions=False) as http:
+        for path, body, words in cases:
+            reply = http.post(path, content=body, headers=headers)
+            assert reply.status_code == 422, (path, reply.text)
+            assert reply.json()["message"].startswith(words), reply.json()
+        reply = http.post(
+            "/v1/jobs", json=tiny_job("k"), headers={**headers, "Idempotency-Key": "a\x01b"}
+        )
+        assert reply.status_code == 422 and "idempotency-key" in reply.json()["message"]
+        for path in ("", "/events", "/metrics", "/logs"):  # an id with a NUL is no job
+            reply = http.get(f"/v1/jobs/job-%00x{path}", headers=headers)
+            assert reply.status_code == 404, (path, reply.text)
+        assert http.post("/v1/jobs/job-%00x/cancel", headers=headers).status_code == 404
+    assert _jobs(registry) == 0
 
 
 def test_a_job_that_can_never_fit_gets_the_shortfall(api: Api) -> None:
