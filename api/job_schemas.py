@@ -16,25 +16,23 @@ from cpn.registry.models import JobState
 MAX_GPUS = 65_536
 
 
-def unstorable(value: object, where: str = "") -> str | None:
+def unstorable(value: object) -> str | None:
     """Why a JSON value cannot be stored as it is, naming its field: a NaN or infinite
     number (Python's JSON parser accepts `NaN` and `Infinity`; PostgreSQL's json type does
     not, and no field means them), or a string with a NUL character (PostgreSQL text
-    cannot hold one). None if it can."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{where or 'body'}: must be a finite number, got {value}"
-    if isinstance(value, str) and "\x00" in value:
-        return f"{where or 'body'}: must not contain a NUL character"
-    if isinstance(value, dict):
-        for key, item in value.items():
-            problem = unstorable(item, f"{where}.{key}" if where else str(key))
-            if problem:
-                return problem
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            problem = unstorable(item, f"{where}[{i}]")
-            if problem:
-                return problem
+    cannot hold one). None if it can. A loop, not recursion: any depth the JSON parser
+    accepts is walked without running out of stack."""
+    todo: list[tuple[object, str]] = [(value, "")]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"{where or 'body'}: must be a finite number, got {item}"
+        if isinstance(item, str) and "\x00" in item:
+            return f"{where or 'body'}: must not contain a NUL character"
+        if isinstance(item, dict):
+            todo.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            todo.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
     return None
 
 
