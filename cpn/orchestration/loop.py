@@ -59,6 +59,9 @@ SWEEP_S = 5.0
 #: The shortest time between the starts of two ticks: what a burst of wake-ups may add
 #: to a job's submit-to-SCHEDULED time, in exchange for one tick per burst.
 MIN_TICK_GAP_S = 0.02
+#: Queued jobs whose reason one tick may rewrite (a queue that grew by more gets the rest
+#: on later ticks).
+REASONS_PER_TICK = 1000
 
 
 class Orchestrator:
@@ -317,10 +320,21 @@ class Orchestrator:
             if session.scalar(select(Job.id).where(*others).limit(1)) is None:
                 return
         with self.registry.write() as session:
-            session.execute(
-                update(Job).where(*others).values(state_reason=reason),
-                execution_options={"synchronize_session": False},
-            )
+            # Rows locked in id order, skipping any another transaction holds (a cancel, or
+            # another control plane's loop): never a deadlock; a skipped row gets its reason
+            # on a later tick. At most REASONS_PER_TICK rows per tick.
+            ids = session.scalars(
+                select(Job.id)
+                .where(*others)
+                .order_by(Job.id)
+                .limit(REASONS_PER_TICK)
+                .with_for_update(skip_locked=True)
+            ).all()
+            if ids:
+                session.execute(
+                    update(Job).where(Job.id.in_(ids)).values(state_reason=reason),
+                    execution_options={"synchronize_session": False},
+                )
 
     def _set_reason(self, job_id: str, old: str, new: str) -> None:
         if old == new:
