@@ -19,14 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from sqlalchemy import func, select
 
 from api import create_app
-from cpn.contracts import Plan, Topology
+from cpn.contracts import JobSpec, Plan, Topology
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService
 from cpn.orchestration.admission import Admitted, try_admit
+from cpn.orchestration.errors import NeverFits
 from cpn.orchestration.tenants import KeyCache, Principal, create_key, revoke_key
 from cpn.registry import Registry, apply_heartbeats
 from cpn.registry.leases import HeartbeatRecord, LinkSample
-from cpn.registry.models import Allocation, Job, JobState, RendezvousPort, Role, utcnow
+from cpn.registry.models import Allocation, Job, JobState, RendezvousPort, Role, Tenant, utcnow
 from tests.registry_factories import node, register
 from tests.service_harness import tiny_job
 
@@ -260,6 +261,30 @@ def test_a_job_that_can_never_fit_gets_the_shortfall(api: Api) -> None:
     assert reply.status_code == 422
     assert reply.json()["detail"] == "the job can never fit: needs 16 GPUs with ≥ 1.0 GB, 6 free"
     assert _jobs(api.registry) == 0
+
+
+def test_the_never_fit_check_sees_a_new_site_as_soon_as_agents_change(
+    registry: Registry,
+) -> None:
+    """The live capacity is a snapshot (SNAPSHOT_S old at most) that `capacity_version` —
+    the control server's peers version in `cpn serve` — renews at once."""
+    register(registry, "a", nodes=(node("a0", gpus=4, memory_gb=16),), probe_address="10.0.0.1:1")
+    with registry.write() as s:
+        create_key(s, "t")
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "t"))
+    assert tenant_id is not None
+    principal = Principal(tenant_id, "t", Role.USER)
+    version = [1]
+    service = JobService(
+        registry, ControlSettings(database_url=registry.url), capacity_version=lambda: version[0]
+    )
+    eight = JobSpec.model_validate(tiny_job("eight", dp=4, pp=2))
+    with pytest.raises(NeverFits, match="needs 8 GPUs"):
+        service.submit(principal, eight)
+    register(registry, "b", nodes=(node("b0", gpus=4, memory_gb=16),), probe_address="10.0.0.2:1")
+    version[0] += 1  # what the control server does when an agent registers
+    view, created = service.submit(principal, eight)
+    assert created and view.job.state is JobState.PENDING
 
 
 def test_quotes_rank_candidates_and_a_quote_runs_its_plan(api: Api) -> None:
