@@ -205,8 +205,19 @@ class Agent:
     # ------------------------------------------------------------------ session work
 
     async def heartbeat(self, *, unary: bool = False) -> None:
+        """Renew the lease. A heartbeat the control plane refuses as invalid (a WAN
+        measurement from a clock far off, usage of a GPU added since registration) is sent
+        again at once without those parts: the lease must not lapse over them."""
         links = self.links.pending()
-        await self.control.heartbeat(self.health.health, await self._usage(), links, unary=unary)
+        usage = await self._usage()
+        try:
+            await self.control.heartbeat(self.health.health, usage, links, unary=unary)
+        except aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            log.warning("heartbeat refused (%s); sent again without usage and links", exc.details())
+            self.control.close_stream()  # the refusal ended the stream
+            await self.control.heartbeat(self.health.health, [], [], unary=unary)
         self.links.delivered(links)
 
     async def _usage(self) -> list[pb.GpuUsage]:

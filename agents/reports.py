@@ -9,11 +9,21 @@ do not pile up (an older one is replaced). Log lines and per-step records from t
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc import aio
 
 from agents.logs import Outbox
 from agents.tasks import TaskUpdate
 from proto.cpn.v1 import agent_pb2 as pb
+
+log = logging.getLogger("cpn.agent")
+
+#: The control plane refused this one report (a job it does not know, a field out of
+#: range): sending it again cannot help, and it must not end the agent's session.
+REPORT_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 
 Send = Callable[[pb.ReportTaskStatusRequest], Awaitable[None]]
 Request = Callable[[TaskUpdate], pb.ReportTaskStatusRequest]
@@ -44,6 +54,17 @@ class ReportQueue:
                 self.outbox.fill(request)
                 try:
                     await send(request)
+                except aio.AioRpcError as exc:
+                    if exc.code() not in REPORT_REFUSALS:
+                        self.outbox.put_back(request)
+                        raise
+                    log.warning(
+                        "report for job %s rank %d refused, dropped: %s: %s",
+                        update.job_id,
+                        update.rank,
+                        exc.code().name,
+                        exc.details(),
+                    )
                 except BaseException:
                     self.outbox.put_back(request)
                     raise

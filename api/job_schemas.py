@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any
 
@@ -15,7 +16,40 @@ from cpn.registry.models import JobState
 MAX_GPUS = 65_536
 
 
-class JobCreate(JobSpec):
+def unstorable(value: object) -> str | None:
+    """Why a JSON value cannot be stored as it is, naming its field: a NaN or infinite
+    number (Python's JSON parser accepts `NaN` and `Infinity`; PostgreSQL's json type does
+    not, and no field means them), or a string with a NUL character (PostgreSQL text
+    cannot hold one). None if it can. A loop, not recursion: any depth the JSON parser
+    accepts is walked without running out of stack."""
+    todo: list[tuple[object, str]] = [(value, "")]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"{where or 'body'}: must be a finite number, got {item}"
+        if isinstance(item, str) and "\x00" in item:
+            return f"{where or 'body'}: must not contain a NUL character"
+        if isinstance(item, dict):
+            todo.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            todo.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+class StorableBody(BaseModel):
+    """A request body refused (422, the field named) if it holds a value the registry
+    cannot store, before any field is validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, data: Any) -> Any:
+        problem = unstorable(data)
+        if problem:
+            raise ValueError(problem)
+        return data
+
+
+class JobCreate(JobSpec, StorableBody):
     """The job YAML's fields (docs/contracts.md) as JSON, and optionally a quote to use."""
 
     quote_id: str | None = Field(
@@ -34,7 +68,12 @@ class JobCreate(JobSpec):
         return self
 
     def spec(self) -> JobSpec:
-        return JobSpec.model_validate(self.model_dump(exclude={"quote_id", "candidate"}))
+        """The job without the quote fields. This object was validated as a JobSpec
+        already (it is one): its fields are copied, not dumped and validated again."""
+        fields = JobSpec.model_fields
+        return JobSpec.model_construct(
+            self.model_fields_set & fields.keys(), **{name: getattr(self, name) for name in fields}
+        )
 
 
 class LinkBytesPublic(BaseModel):

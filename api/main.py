@@ -3,6 +3,7 @@ orchestration loop; tests run it in-process with `create_app(registry, ...)`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -12,6 +13,7 @@ from api.routes import health, jobs, quotes, sites, topology
 from cpn import __version__
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService, ServiceMetrics
+from cpn.orchestration.tenants import KeyCache
 from cpn.registry import Registry
 
 
@@ -36,6 +38,10 @@ def create_app(
     app.state.settings = settings
     app.state.service = service or JobService(registry, settings)
     app.state.metrics = metrics or ServiceMetrics(registry)
+    app.state.keys = KeyCache(settings.api_key_cache_s)
+    #: Set when the server is asked to stop: followed log streams end at once (uvicorn
+    #: would otherwise wait for them, and a job that never ends kept `cpn serve` running).
+    app.state.stopping = asyncio.Event()
     app.state.ready = ready
     errors.install(app)
     for module in (jobs, quotes, sites, topology, health):

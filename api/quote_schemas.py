@@ -7,11 +7,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from api.job_schemas import MAX_GPUS
+from api.job_schemas import MAX_GPUS, StorableBody
 from cpn.contracts import JobSpec, Plan
 
 
-class QuoteCreate(JobSpec):
+class QuoteCreate(JobSpec, StorableBody):
     """The job to price (the job YAML's fields as JSON)."""
 
     @model_validator(mode="after")

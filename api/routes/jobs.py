@@ -4,15 +4,16 @@ server-sent events). A tenant sees only its own jobs: another's is a 404."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from api.deps import MetricsDep, PrincipalDep, ServiceDep
+from api.deps import BearerDep, MetricsDep, PrincipalDep, ServiceDep, principal_of
 from api.job_schemas import (
     EventPublic,
     FailurePublic,
@@ -28,10 +29,13 @@ from api.job_schemas import (
 )
 from cpn.contracts import Plan
 from cpn.orchestration import JobView, QuoteChoice
-from cpn.orchestration.errors import NeverFits, QuotaExceeded
+from cpn.orchestration.errors import NeverFits, QuotaExceeded, ServiceError
 from cpn.registry.models import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+# The endpoints are `async def` and hand their database work to a worker thread in one
+# `run_in_threadpool` call. A plain `def` endpoint costs two hops (FastAPI runs the
+# function, and then the response model's validation, in the thread pool).
 
 JobId = Annotated[str, Query(max_length=64)]
 #: How often a followed log looks for new lines.
@@ -87,7 +91,7 @@ def job_public(view: JobView) -> JobPublic:
         422: {"description": "A field is invalid, or the job can never fit (the shortfall)"},
     },
 )
-def submit_job(
+async def submit_job(
     body: JobCreate,
     service: ServiceDep,
     principal: PrincipalDep,
@@ -97,6 +101,7 @@ def submit_job(
         str | None,
         Header(
             max_length=128,
+            pattern=r"^[^\x00-\x1f\x7f]*$",
             description="Sending the same key (and body) again returns the first job.",
         ),
     ] = None,
@@ -106,8 +111,12 @@ def submit_job(
     shortfall."""
     quote = QuoteChoice(body.quote_id, body.candidate) if body.quote_id is not None else None
     try:
-        view, created = service.submit(
-            principal, body.spec(), idempotency_key=idempotency_key or None, quote=quote
+        view, created = await run_in_threadpool(
+            service.submit,
+            principal,
+            body.spec(),
+            idempotency_key=idempotency_key or None,
+            quote=quote,
         )
     except NeverFits:
         metrics.refused.labels("never_fits").inc()
@@ -123,7 +132,7 @@ def submit_job(
 
 
 @router.get("", response_model=JobsPublic)
-def list_jobs(
+async def list_jobs(
     service: ServiceDep,
     principal: PrincipalDep,
     state: JobState | None = None,
@@ -131,31 +140,33 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> JobsPublic:
     """The tenant's jobs (every tenant's for an admin), newest first."""
-    views, count = service.list_jobs(principal, state=state, skip=skip, limit=limit)
+    views, count = await run_in_threadpool(
+        service.list_jobs, principal, state=state, skip=skip, limit=limit
+    )
     return JobsPublic(data=[job_public(v) for v in views], count=count)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
+async def get_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
     """State and its reason, plan, progress (step of steps, loss, tokens/s, bytes per
     link class measured beside predicted), failure."""
-    return job_public(service.get(principal, job_id))
+    return job_public(await run_in_threadpool(service.get, principal, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
+async def cancel_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
     """Cancel: CANCELLED at once; every worker is stopped and the GPUs freed."""
-    return job_public(service.cancel(principal, job_id))
+    return job_public(await run_in_threadpool(service.cancel, principal, job_id))
 
 
 @router.delete("/{job_id}", response_model=JobPublic)
-def delete_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
+async def delete_job(job_id: str, service: ServiceDep, principal: PrincipalDep) -> JobPublic:
     """The same as POST /v1/jobs/{id}/cancel (the job's record is kept)."""
-    return job_public(service.cancel(principal, job_id))
+    return job_public(await run_in_threadpool(service.cancel, principal, job_id))
 
 
 @router.get("/{job_id}/events", response_model=list[EventPublic])
-def job_events(
+async def job_events(
     job_id: str,
     service: ServiceDep,
     principal: PrincipalDep,
@@ -165,12 +176,14 @@ def job_events(
     """Every state transition with its reason, allocations, orders, rank states."""
     return [
         EventPublic(id=e.id, at=e.at, kind=e.kind, message=e.message, data=e.data)
-        for e in service.events(principal, job_id, after=after, limit=limit)
+        for e in await run_in_threadpool(
+            service.events, principal, job_id, after=after, limit=limit
+        )
     ]
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
-def job_metrics(
+async def job_metrics(
     job_id: str,
     service: ServiceDep,
     principal: PrincipalDep,
@@ -179,7 +192,7 @@ def job_metrics(
 ) -> MetricsPublic:
     """The per-step series: loss, the slowest rank's time, tokens/s, bytes by link class
     summed over ranks, and how many ranks reported the step."""
-    job, rows = service.steps(principal, job_id, after=after, limit=limit)
+    job, rows = await run_in_threadpool(service.steps, principal, job_id, after=after, limit=limit)
     tokens = int(job.spec["train"]["global_batch"]) * int(job.spec["model"]["seq_len"])
     predicted = None
     ranks = 0
@@ -221,15 +234,19 @@ def _line(row: object) -> LogLinePublic:
         200: {
             "description": "The lines as JSON; with follow=true, a text/event-stream of "
             "`line` events (each a LogLinePublic) that ends with one `end` event when the "
-            "job has ended",
+            'job has ended, or with one `error` event ({"detail": …}) when it cannot go '
+            "on: the API key was revoked, or the server is shutting down (follow again "
+            "with ?after= the last line's id)",
             "content": {"text/event-stream": {}},
         }
     },
 )
 async def job_logs(
     job_id: str,
+    request: Request,
     service: ServiceDep,
     principal: PrincipalDep,
+    credentials: BearerDep,
     rank: Annotated[int | None, Query(ge=0, le=2**31)] = None,
     after: Annotated[int, Query(ge=0, le=2**62, description="lines after this id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
@@ -242,6 +259,11 @@ async def job_logs(
     )
     if not follow:
         return LogsPublic(job_id=job.id, lines=[_line(x) for x in lines], ended=ended)
+    key = credentials.credentials if credentials else None
+    stopping: asyncio.Event = request.app.state.stopping
+
+    def error(detail: str) -> bytes:
+        return format_sse_event(data_str=json.dumps({"detail": detail}), event="error")
 
     async def stream() -> AsyncIterator[bytes]:
         nonlocal lines, ended
@@ -252,17 +274,28 @@ async def job_logs(
                 yield format_sse_event(
                     data_str=_line(row).model_dump_json(), event="line", id=str(row.id)
                 )
-            if ended and not lines:
-                final, _, _ = await run_in_threadpool(
-                    service.logs, principal, job_id, rank=rank, after=last, limit=1
+            try:
+                if ended and not lines:
+                    final, _, _ = await run_in_threadpool(
+                        service.logs, principal, job_id, rank=rank, after=last, limit=1
+                    )
+                    end = {"state": final.state.value, "reason": final.state_reason}
+                    yield format_sse_event(data_str=json.dumps(end), event="end")
+                    return
+                if not lines:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stopping.wait(), FOLLOW_POLL_S)
+                if stopping.is_set():
+                    yield error(f"the server is shutting down; follow again after line {last}")
+                    return
+                # The key is checked again on every poll (through the key cache), so a
+                # revoked key stops a stream as promptly as it stops any other request.
+                await principal_of(request, key)
+                _, lines, ended = await run_in_threadpool(
+                    service.logs, principal, job_id, rank=rank, after=last, limit=limit
                 )
-                end = {"state": final.state.value, "reason": final.state_reason}
-                yield format_sse_event(data_str=json.dumps(end), event="end")
+            except ServiceError as exc:  # the key was revoked, the job is gone
+                yield error(str(exc))
                 return
-            if not lines:
-                await asyncio.sleep(FOLLOW_POLL_S)
-            _, lines, ended = await run_in_threadpool(
-                service.logs, principal, job_id, rank=rank, after=last, limit=limit
-            )
 
     return EventSourceResponse(stream())

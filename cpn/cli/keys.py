@@ -58,7 +58,8 @@ def revoke(
     key: Annotated[str, typer.Argument(help="The key, or its prefix as `cpn keys list` shows.")],
     database_url: DbOpt = None,
 ) -> None:
-    """Revoke a key: requests with it get 401 from now on."""
+    """Revoke a key: requests with it get 401 from now on (a running `cpn serve` may still
+    accept it for its CPN_API_KEY_CACHE_S, 1 s by default)."""
     from cpn.orchestration.tenants import revoke_key  # noqa: PLC0415
 
     registry = _registry(database_url)

@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # imported when the command runs, so that `cpn --help` stays 
     from cpn.control import ControlSettings, SiteTokens
 
 log = logging.getLogger("cpn.serve")
+#: The cyclic collector's thresholds for `cpn serve` (see where they are set).
+GC_THRESHOLDS = (20_000, 50, 100)
+#: How long HTTP requests still running at shutdown may take before they are cancelled.
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def setup_logging(level: str) -> None:
@@ -34,7 +38,13 @@ def setup_logging(level: str) -> None:
 
 def bind_http(host: str, port: int) -> socket.socket:
     """Bind the HTTP socket ourselves, so a taken port is one clear line, not a traceback."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off
+    # (TCP_NODELAY) only on sockets whose proto says TCP, and the connections accepted
+    # here inherit it. With Nagle on, a response written in two parts (headers, body)
+    # waited for the client's delayed ACK: 40 ms added to every request.
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -230,22 +240,46 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
     metrics = ServiceMetrics(registry, heartbeats=lambda: control.state.heartbeats)
     orchestrator = Orchestrator(control, registry, metrics)
     await orchestrator.start()
-    service = JobService(registry, settings, wake=orchestrator.wake)
+    service = JobService(
+        registry,
+        settings,
+        wake=orchestrator.wake,
+        capacity_version=lambda: control.leases.peers_version,
+    )
 
     def ready() -> str | None:
         return None if orchestrator.ticks > 0 else "the orchestration loop has not run yet"
 
     app = create_app(registry, settings=settings, service=service, metrics=metrics, ready=ready)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    # Requests still running at shutdown get GRACEFUL_SHUTDOWN_S to finish, then are
+    # cancelled: a stop never waits on a client.
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     http = HttpServer(config)
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        app.state.stopping.set()  # followed log streams end now
+        http.request_exit()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, http.request_exit)
+        loop.add_signal_handler(sig, stop)
     http_port = http_sock.getsockname()[1]
     shown = make_url(settings.database_url).render_as_string(hide_password=True)
     # Everything loaded so far (modules, the ORM's mappers) lives as long as the process:
     # keep it out of the cyclic collector's way, which shortens GC pauses on the hot path.
     gc.freeze()
+    # Young collections every 20,000 allocations instead of 700, and the older generations
+    # far more rarely: a request allocates thousands of objects, and with the defaults the
+    # collector ran ~400 times in a bench run (1.6 s of pauses, a full collection up to
+    # 99 ms, every request in flight waiting); with these, 8 times (0.1 s). Cyclic garbage
+    # is still collected, by the young collections, where nearly all of it is.
+    gc.set_threshold(*GC_THRESHOLDS)
     print(
         f"cpn serve: gRPC on {settings.host}:{control.port}, HTTP on {settings.host}:{http_port}, "
         f"database {shown}, sites {', '.join(tokens.sites)}",

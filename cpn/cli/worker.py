@@ -305,12 +305,12 @@ def launch(
 
 def _run_and_report(spec: Any, result_path: Path | None, on_metrics: Any = None) -> None:
     """Run a launch; write its outcome; turn a signal into the conventional exit status."""
+    import logging  # noqa: PLC0415
+
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
 
     from cpn.train.launcher import WorkerFailed, outcome  # noqa: PLC0415
     from cpn.train.launcher import run as run_launch  # noqa: PLC0415
-
-    import logging  # noqa: PLC0415
 
     # torch's agent narrates every shutdown at WARNING; the outcome is said once, below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

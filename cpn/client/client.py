@@ -129,6 +129,10 @@ class CpnClient:
                         yield LogLinePublic.model_validate_json(raw.partition(":")[2].strip())
                     elif raw.startswith("data:") and event == "end":
                         return
+                    elif raw.startswith("data:") and event == "error":
+                        detail = json.loads(raw.partition(":")[2].strip())["detail"]
+                        raise ApiError(reply.status_code, f"log stream: {detail}")
+            raise ApiError(0, "log stream: closed by the server before the job ended")
         except httpx.TransportError as exc:
             raise ApiError(0, f"cannot reach {self.server}: {exc}") from None
 

@@ -284,6 +284,10 @@ def sync_gradients(state: WanSyncState, grads: Sequence[torch.Tensor]) -> bool:
     then hold inf or NaN, nothing entered the residuals, and the optimizer step should be
     skipped.
     """
+    if state.groups.world == 1:  # nothing to average; only the finiteness matters
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            state.mark_not_finite()
+        return state.end_step()
     numels = [g.numel() for g in grads]
     for bucket in wire.fuse(numels, state.bucket_elements):
         sizes = [numels[i] for i in bucket]

@@ -63,6 +63,13 @@ class ControlSettings(BaseSettings):
         default=2000, ge=10, le=1_000_000, description="worker output lines kept per rank"
     )
     quote_ttl_s: float = Field(default=600.0, gt=0, description="how long a quote can be used")
+    api_key_cache_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="an accepted API key is not looked up again for this long, so a revoked "
+        "key is refused at most this long after `cpn keys revoke` (0: look up every request)",
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ControlSettings:

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import yaml
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from cpn.contracts import JobSpec, Plan
@@ -56,6 +56,12 @@ log = logging.getLogger("cpn.orchestration")
 ADMISSION_RETRY_S = 3.0
 #: Every active job is re-read at least this often, not only when its ranks report.
 SWEEP_S = 5.0
+#: The shortest time between the starts of two ticks: what a burst of wake-ups may add
+#: to a job's submit-to-SCHEDULED time, in exchange for one tick per burst.
+MIN_TICK_GAP_S = 0.02
+#: Queued jobs whose reason one tick may rewrite (a queue that grew by more gets the rest
+#: on later ticks).
+REASONS_PER_TICK = 1000
 
 
 class Orchestrator:
@@ -76,6 +82,9 @@ class Orchestrator:
         self._launched: set[str] = set()
         self._stopped: set[str] = set()
         self._last_admission = 0.0
+        #: The queue's head when it last did not fit (None: it fitted, or no queue).
+        self._blocked: str | None = None
+        self._last_tick = float("-inf")
         self._last_sweep = 0.0
         self._peers_version = -1
         self.ticks = 0
@@ -115,7 +124,13 @@ class Orchestrator:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), self.settings.schedule_interval_s)
+            # Many wake-ups in a burst (a submission each) make one tick, not one each:
+            # ticks start at most every MIN_TICK_GAP_S.
+            pause = self._last_tick + MIN_TICK_GAP_S - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
             self._wakeup.clear()
+            self._last_tick = time.monotonic()
             try:
                 await loop.run_in_executor(self._executor, self.tick)
                 self.healthy = True
@@ -131,27 +146,30 @@ class Orchestrator:
         with self._lock:
             dirty, self._dirty = self._dirty, set()
             admit, self._admit = self._admit, False
+        admit_all = False
         if self.control.leases.peers_version != self._peers_version:
             self._peers_version = self.control.leases.peers_version
-            admit = True  # agents came or went: capacity changed
+            admit = admit_all = True  # agents came or went: capacity changed
         sweep = now - self._last_sweep >= SWEEP_S
         if sweep:
             self._last_sweep = now
         freed = self._advance(dirty, sweep)
         self._launch()
         freed |= self._end()
-        if admit or freed or now - self._last_admission >= ADMISSION_RETRY_S:
-            self._last_admission = now
-            self._admit_queue()
+        changed = freed or admit_all or now - self._last_admission >= ADMISSION_RETRY_S
+        if admit or changed:
+            if changed:
+                self._last_admission = now
+            self._admit_queue(changed)
         self.ticks += 1
 
     def _advance(self, dirty: set[str], sweep: bool) -> bool:
         changed = False
+        if not sweep and not dirty:
+            return False  # before the write: on SQLite it takes the database's lock
         with self.registry.write() as session:
             query = select(Job).where(Job.state.in_(states.ACTIVE))
             if not sweep:
-                if not dirty:
-                    return False
                 query = query.where(Job.id.in_(dirty))
             jobs = session.scalars(query.with_for_update()).all()
             lost = lifecycle.lost_gpus(session, [j.id for j in jobs])
@@ -171,11 +189,18 @@ class Orchestrator:
 
     def _launch(self) -> None:
         with self.registry.read() as session:
-            jobs = session.scalars(
-                select(Job).where(Job.state == JobState.SCHEDULED).order_by(Job.scheduled_at)
+            # Ids first: a scheduled job's plan and spec (JSON) are read only once, when
+            # its orders go out, not on every tick.
+            scheduled = session.scalars(
+                select(Job.id).where(Job.state == JobState.SCHEDULED).order_by(Job.scheduled_at)
             ).all()
-            todo = [j for j in jobs if j.id not in self._launched]
-            orders = [(j, self._agents(session, j)) for j in todo]
+            todo = [job_id for job_id in scheduled if job_id not in self._launched]
+            if not todo:
+                return
+            jobs = session.scalars(
+                select(Job).where(Job.id.in_(todo)).order_by(Job.scheduled_at, Job.id)
+            ).all()
+            orders = [(j, self._agents(session, j)) for j in jobs if j.state is JobState.SCHEDULED]
         for job, agents in orders:
             assert job.plan is not None and job.rendezvous_port is not None
             plan = Plan.model_validate(job.plan)
@@ -241,19 +266,26 @@ class Orchestrator:
                 freed = True
         return freed
 
-    def _admit_queue(self) -> None:
-        with self.registry.read() as session:
-            queue = session.scalars(
-                select(Job)
-                .where(Job.state == JobState.PENDING)
-                .order_by(Job.priority.desc(), Job.created_at, Job.id)
-            ).all()
-            waiting = [(j.id, j.state_reason, j.name, j.priority) for j in queue]
-        blocked_by: str | None = None
-        for job_id, reason, name, priority in waiting:
-            if blocked_by is not None:
-                self._set_reason(job_id, reason, blocked_by)
-                continue
+    def _admit_queue(self, changed: bool) -> None:
+        """Admit pending jobs in queue order while they fit; the first that does not keeps
+        its reason and every job behind it waits behind it.
+
+        `changed`: capacity may have changed (GPUs freed, agents came or went, or it is time
+        to look again). If not, and the queue's head is the job that last failed to fit, it
+        still cannot fit (only a job ahead of it, or more capacity, could change that): the
+        plan is not tried again, only the newcomers' reasons are set. Without this, every
+        submission behind a full cluster cost a topology read and a planning attempt.
+        """
+        tried: set[str] = set()
+        while True:
+            head = self._queue_head(tried)
+            if head is None:
+                self._blocked = None
+                return
+            job_id, reason, name, priority = head
+            if not changed and job_id == self._blocked:
+                break
+            tried.add(job_id)
             started = time.perf_counter()
             outcome = try_admit(self.registry, self.settings, job_id)
             self.metrics.admission_seconds.observe(time.perf_counter() - started)
@@ -264,7 +296,45 @@ class Orchestrator:
             if outcome.reason == "no longer pending":
                 continue
             self._set_reason(job_id, reason, outcome.reason)
-            blocked_by = f"queued behind job {job_id} ({name}, priority {priority})"
+            self._blocked = job_id
+            break
+        self._queue_behind(job_id, f"queued behind job {job_id} ({name}, priority {priority})")
+
+    def _queue_head(self, tried: set[str]) -> tuple[str, str, str, int] | None:
+        """The first pending job in queue order (priority, then age) not tried this tick:
+        four columns of one row, not the whole queue with its specs."""
+        with self.registry.read() as session:
+            row = session.execute(
+                select(Job.id, Job.state_reason, Job.name, Job.priority)
+                .where(Job.state == JobState.PENDING, Job.id.not_in(tried))
+                .order_by(Job.priority.desc(), Job.created_at, Job.id)
+                .limit(1)
+            ).first()
+        return None if row is None else (row[0], row[1], row[2], row[3])
+
+    def _queue_behind(self, head: str, reason: str) -> None:
+        """Every other pending job waits behind `head`: one UPDATE of the rows whose reason
+        differs (usually only the newcomers), and no write at all when none does."""
+        others = (Job.state == JobState.PENDING, Job.id != head, Job.state_reason != reason)
+        with self.registry.read() as session:
+            if session.scalar(select(Job.id).where(*others).limit(1)) is None:
+                return
+        with self.registry.write() as session:
+            # Rows locked in id order, skipping any another transaction holds (a cancel, or
+            # another control plane's loop): never a deadlock; a skipped row gets its reason
+            # on a later tick. At most REASONS_PER_TICK rows per tick.
+            ids = session.scalars(
+                select(Job.id)
+                .where(*others)
+                .order_by(Job.id)
+                .limit(REASONS_PER_TICK)
+                .with_for_update(skip_locked=True)
+            ).all()
+            if ids:
+                session.execute(
+                    update(Job).where(Job.id.in_(ids)).values(state_reason=reason),
+                    execution_options={"synchronize_session": False},
+                )
 
     def _set_reason(self, job_id: str, old: str, new: str) -> None:
         if old == new:

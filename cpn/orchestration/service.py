@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -29,12 +29,13 @@ from cpn.orchestration.errors import (
     NeverFits,
     NotFound,
     QuotaExceeded,
+    Unauthorized,
 )
 from cpn.orchestration.feasibility import FeasibilityCache, topology_fingerprint
 from cpn.orchestration.progress import Progress, job_progress
 from cpn.orchestration.tenants import Principal
 from cpn.registry import EmptyRegistry, Registry, build_topology
-from cpn.registry.events import EventKind, record_event
+from cpn.registry.events import EventKind
 from cpn.registry.models import (
     Event,
     Job,
@@ -82,18 +83,25 @@ class JobService:
         registry: Registry,
         settings: ControlSettings,
         wake: Callable[[], None] | None = None,
+        capacity_version: Callable[[], int] | None = None,
     ) -> None:
+        """`wake`: tell the orchestration loop a job came or went. `capacity_version`:
+        changes whenever the live agents change (the control server's peers version), so
+        that the never-fit check sees a new site at once, not up to SNAPSHOT_S later."""
         self.registry = registry
         self.settings = settings
         self.wake = wake or (lambda: None)
         self._feasible = FeasibilityCache()
-        self._snapshot: tuple[float, Topology | None, str] = (float("-inf"), None, "")
+        self.capacity_version = capacity_version or (lambda: 0)
+        self._snapshot: tuple[float, Topology | None, str, int] = (float("-inf"), None, "", -1)
         self._snapshot_lock = threading.Lock()
 
     # ------------------------------------------------------------------ reading
 
     def _visible(self, session: Session, principal: Principal, job_id: str) -> Job:
-        job = session.get(Job, job_id) if len(job_id) <= 64 else None
+        # An id that cannot be one (too long, or with a NUL that PostgreSQL refuses in a
+        # query) is simply not found.
+        job = session.get(Job, job_id) if _could_be_id(job_id) else None
         if job is None or not (principal.admin or job.tenant_id == principal.tenant_id):
             raise NotFound(f"job {job_id[:64]!r}: no such job")
         return job
@@ -193,19 +201,35 @@ class JobService:
     # ------------------------------------------------------------------ submitting
 
     def capacity(self) -> tuple[Topology | None, str]:
-        """The live topology (every GPU counted free), at most SNAPSHOT_S old."""
-        with self._snapshot_lock:
-            taken, topology, fingerprint = self._snapshot
-            if time.monotonic() - taken < SNAPSHOT_S:
-                return topology, fingerprint
+        """The live topology (every GPU counted free) and its fingerprint, at most
+        SNAPSHOT_S old, or newer than the last change of `capacity_version` (agents of
+        this process came or went).
+
+        One thread rebuilds an expired snapshot while the others keep answering from the
+        previous one (at most SNAPSHOT_S older): under load, every submission used to
+        wait for the rebuild. Only a changed version (or no snapshot yet) makes them wait.
+        """
+        version = self.capacity_version()
+        taken, topology, fingerprint, seen = self._snapshot
+        fresh = time.monotonic() - taken < SNAPSHOT_S
+        if seen == version and (fresh or not self._snapshot_lock.acquire(blocking=False)):
+            return topology, fingerprint
+        if not (seen == version and not fresh):  # the lock is not ours yet: wait for it
+            self._snapshot_lock.acquire()
+        try:
+            taken, topology, fingerprint, seen = self._snapshot
+            if seen == version and time.monotonic() - taken < SNAPSHOT_S:
+                return topology, fingerprint  # rebuilt meanwhile by another thread
             with self.registry.read() as session:
                 try:
                     topology, _ = build_topology(session)
                     fingerprint = topology_fingerprint(topology)
                 except EmptyRegistry:
                     topology, fingerprint = None, ""
-            self._snapshot = (time.monotonic(), topology, fingerprint)
+            self._snapshot = (time.monotonic(), topology, fingerprint, version)
             return topology, fingerprint
+        finally:
+            self._snapshot_lock.release()
 
     def submit(
         self,
@@ -216,35 +240,79 @@ class JobService:
         quote: QuoteChoice | None = None,
     ) -> tuple[JobView, bool]:
         """Queue a job. Returns it and whether it was made now (False: the same
-        Idempotency-Key was used before with the same body, and that job is returned)."""
-        body: dict[str, object] = {"spec": spec.model_dump(mode="json")}
+        Idempotency-Key was used before with the same body, and that job is returned).
+
+        The hot path is one write transaction of three statements — the tenant's quota
+        and the Idempotency-Key looked up together, the job, its event — plus the
+        never-fit check answered from a cache. The tenant's row is locked only when it
+        has a quota: that is what makes two racing submissions count each other; with no
+        quota there is nothing to count, and a racing reuse of an Idempotency-Key is
+        caught by the (tenant, key) unique constraint.
+        """
+        spec_json = spec.model_dump(mode="json")
+        body: dict[str, object] = {"spec": spec_json}
         if quote is not None:
             body["quote"] = [quote.quote_id, quote.candidate]
         digest = request_hash(body)
-        if idempotency_key is not None:
-            existing = self._by_key(principal, idempotency_key, digest)
-            if existing is not None:
-                return existing, False
-        plan: Plan | None = None
-        if quote is not None:
-            spec, plan = self._quoted(principal, spec, quote)
-        topology, fingerprint = self.capacity()
-        if topology is not None:
-            missing = self._feasible.shortfall(topology, fingerprint, spec)
-            if missing is not None:
-                raise NeverFits(f"the job can never fit: {missing}")
+        try:
+            plan: Plan | None = None
+            if quote is not None:
+                spec, plan = self._quoted(principal, spec, quote)
+                spec_json = spec.model_dump(mode="json")
+            topology, fingerprint = self.capacity()
+            if topology is not None:
+                missing = self._feasible.shortfall(topology, fingerprint, spec)
+                if missing is not None:
+                    raise NeverFits(f"the job can never fit: {missing}")
+        except (InvalidRequest, NeverFits):
+            # A retry of a request that was accepted returns its job, even if the quote
+            # has expired or the network shrank since.
+            if idempotency_key is not None:
+                existing = self._by_key(principal, idempotency_key, digest)
+                if existing is not None:
+                    return existing, False
+            raise
         gpus = gpus_of(spec)
+        now = utcnow()
+        job = Job(
+            id=f"job-{uuid.uuid4().hex[:12]}",
+            name=spec.name,
+            state=JobState.PENDING,
+            state_reason="queued",
+            spec=spec_json,
+            plan=plan.model_dump(mode="json") if plan is not None else None,
+            tenant_id=principal.tenant_id,
+            priority=spec.priority,
+            gpus=gpus,
+            idempotency_key=idempotency_key,
+            request_hash=digest,
+            quote_id=quote.quote_id if quote is not None else None,
+            quote_candidate=quote.candidate if quote is not None else None,
+            rendezvous_host="",
+            rendezvous_port=None,
+            failure=None,
+            created_at=now,
+            updated_at=now,
+            scheduled_at=None,
+            started_at=None,
+            finished_at=None,
+        )
         try:
             with self.registry.write() as session:
-                tenant = session.scalar(
-                    select(Tenant).where(Tenant.id == principal.tenant_id).with_for_update()
-                )
-                if tenant is None:
-                    raise NotFound(f"tenant {principal.tenant!r} no longer exists")
+                tenant = self._tenant_for_submit(session, principal, idempotency_key)
+                if tenant.existing is not None and idempotency_key is not None:
+                    first = session.get(Job, tenant.existing)
+                    assert first is not None
+                    if first.request_hash != digest:
+                        raise Conflict(
+                            f"Idempotency-Key: {idempotency_key[:64]!r} was used for job "
+                            f"{first.id} with another body"
+                        )
+                    return self._view(session, first), False
                 if tenant.gpu_quota is not None:
                     held = session.scalar(
                         select(func.coalesce(func.sum(Job.gpus), 0)).where(
-                            Job.tenant_id == tenant.id, Job.state.in_(states.UNFINISHED)
+                            Job.tenant_id == principal.tenant_id, Job.state.in_(states.UNFINISHED)
                         )
                     )
                     if int(held or 0) + gpus > tenant.gpu_quota:
@@ -252,30 +320,22 @@ class JobService:
                             f"quota: tenant {tenant.name!r} may hold {tenant.gpu_quota} GPUs; "
                             f"its unfinished jobs ask for {held}, this one for {gpus}"
                         )
-                job = Job(
-                    id=f"job-{uuid.uuid4().hex[:12]}",
-                    name=spec.name,
-                    state=JobState.PENDING,
-                    state_reason="queued",
-                    spec=spec.model_dump(mode="json"),
-                    plan=plan.model_dump(mode="json") if plan is not None else None,
-                    tenant_id=tenant.id,
-                    priority=spec.priority,
-                    gpus=gpus,
-                    idempotency_key=idempotency_key,
-                    request_hash=digest,
-                    quote_id=quote.quote_id if quote is not None else None,
-                    quote_candidate=quote.candidate if quote is not None else None,
-                )
-                session.add(job)
-                session.flush()
-                record_event(
-                    session,
-                    EventKind.JOB_SUBMITTED,
-                    f"job {job.id} ({spec.name}) submitted by {tenant.name}: {gpus} GPUs, "
-                    f"priority {spec.priority}",
-                    job_id=job.id,
-                    data={"tenant": tenant.name, "gpus": gpus, "priority": spec.priority},
+                # Core inserts on the session's connection: the ORM's unit of work (and
+                # its bulk-insert path) cost more than the two statements themselves.
+                connection = session.connection()
+                connection.execute(_INSERT_JOB, _columns(job))
+                connection.execute(
+                    _INSERT_EVENT,
+                    {
+                        "at": now,
+                        "kind": EventKind.JOB_SUBMITTED.value,
+                        "site": None,
+                        "agent_id": None,
+                        "job_id": job.id,
+                        "message": f"job {job.id} ({spec.name}) submitted by {tenant.name}: "
+                        f"{gpus} GPUs, priority {spec.priority}",
+                        "data": {"tenant": tenant.name, "gpus": gpus, "priority": spec.priority},
+                    },
                 )
                 view = JobView(job, tenant.name, Progress.empty(spec))
         except IntegrityError:
@@ -287,6 +347,23 @@ class JobService:
             raise
         self.wake()
         return view, True
+
+    def _tenant_for_submit(
+        self, session: Session, principal: Principal, key: str | None
+    ) -> _TenantRow:
+        """The tenant's name and quota and the job that already has this Idempotency-Key,
+        in one statement; again under the row's lock if the tenant has a quota."""
+        params = {"tenant_id": principal.tenant_id, "key": key}
+        row = session.execute(_TENANT if key is None else _TENANT_AND_KEY, params).first()
+        if row is None:
+            raise Unauthorized(f"tenant {principal.tenant!r} no longer exists")
+        name, quota = row[0], row[1]
+        existing = row[2] if key is not None else None
+        if quota is not None and existing is None:
+            quota = session.scalar(_TENANT_QUOTA_LOCKED, params)
+            if key is not None:  # a racing request with this key may have committed first
+                existing = session.scalar(_JOB_BY_KEY, params)
+        return _TenantRow(name, quota, existing)
 
     def _by_key(self, principal: Principal, key: str, digest: str) -> JobView | None:
         with self.registry.read() as session:
@@ -305,7 +382,7 @@ class JobService:
         self, principal: Principal, spec: JobSpec, choice: QuoteChoice
     ) -> tuple[JobSpec, Plan]:
         with self.registry.read() as session:
-            quote = session.get(Quote, choice.quote_id) if len(choice.quote_id) <= 64 else None
+            quote = session.get(Quote, choice.quote_id) if _could_be_id(choice.quote_id) else None
             if quote is None or not (principal.admin or quote.tenant_id == principal.tenant_id):
                 raise InvalidRequest(f"quote_id: {choice.quote_id[:64]!r}: no such quote")
             if quote.expires_at <= utcnow():
@@ -340,6 +417,36 @@ class JobService:
             view = self._view(session, job)
         self.wake()
         return view
+
+
+# The submission's statements, built once: building a statement and its cache key on
+# every request showed in the profile beside running it.
+_KEY_TAKEN = select(Job.id).where(
+    Job.tenant_id == bindparam("tenant_id"), Job.idempotency_key == bindparam("key")
+)
+_TENANT = select(Tenant.name, Tenant.gpu_quota).where(Tenant.id == bindparam("tenant_id"))
+_TENANT_AND_KEY = _TENANT.add_columns(_KEY_TAKEN.scalar_subquery())
+_TENANT_QUOTA_LOCKED = (
+    select(Tenant.gpu_quota).where(Tenant.id == bindparam("tenant_id")).with_for_update()
+)
+_JOB_BY_KEY = _KEY_TAKEN
+_INSERT_JOB = insert(Job)
+_INSERT_EVENT = insert(Event)
+
+
+@dataclass(frozen=True)
+class _TenantRow:
+    name: str
+    gpu_quota: int | None
+    existing: str | None  # the job already made with this Idempotency-Key
+
+
+def _could_be_id(value: str) -> bool:
+    return len(value) <= 64 and "\x00" not in value
+
+
+def _columns(job: Job) -> dict[str, object]:
+    return {c.key: getattr(job, c.key) for c in Job.__table__.columns}
 
 
 def _shape(spec: JobSpec) -> str:

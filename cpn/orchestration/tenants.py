@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -45,6 +48,12 @@ class NewKey:
 
 
 def digest(key: str) -> str:
+    """What is stored of a key. A plain, fast SHA-256 on purpose: a key is 256 random
+    bits, so nobody can guess one from its digest however fast the hash, and a slow
+    password hash (bcrypt, scrypt, argon2: tens of ms of CPU by design) would only cap
+    every authenticated request at a few dozen per second per core. Slow hashes protect
+    low-entropy secrets that people choose; these are not. (A keyed HMAC would add
+    nothing either, and would need a server secret shared by every control plane.)"""
     return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -83,11 +92,17 @@ def revoke_key(session: Session, key_or_prefix: str) -> ApiKey:
     return row
 
 
-def authenticate(session: Session, key: str | None) -> Principal:
+def check_form(key: str | None) -> str:
+    """The key if it looks like a cpn API key (refused before any lookup otherwise)."""
     if not key:
         raise Unauthorized("Authorization: missing (send 'Authorization: Bearer <API key>')")
     if len(key) > MAX_KEY_LENGTH or not key.startswith(KEY_PREFIX):
         raise Unauthorized("Authorization: not a cpn API key")
+    return key
+
+
+def authenticate(session: Session, key: str | None) -> Principal:
+    key = check_form(key)
     row = session.execute(
         select(ApiKey.revoked_at, ApiKey.role, Tenant.id, Tenant.name)
         .join(Tenant, ApiKey.tenant_id == Tenant.id)
@@ -99,6 +114,48 @@ def authenticate(session: Session, key: str | None) -> Principal:
     if revoked_at is not None:
         raise Unauthorized("Authorization: this API key was revoked")
     return Principal(tenant_id=tenant_id, tenant=tenant, role=role)
+
+
+class KeyCache:
+    """Principals of API keys seen in the last `ttl_s` seconds, so that a burst of
+    requests with one key costs one lookup, not one each.
+
+    The price is a bound on revocation: a revoked key keeps working for at most `ttl_s`
+    after `cpn keys revoke` commits (revocation is a database write, possibly from another
+    process, so nothing can tell this cache at once). Only accepted keys are kept —
+    an unknown or revoked key is looked up every time, so a key created a moment ago
+    works at once and refusals cannot fill the cache — and at most `size` of them.
+    `ttl_s = 0` turns the cache off.
+    """
+
+    def __init__(self, ttl_s: float, size: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.size = size
+        self._entries: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Principal | None:
+        if self.ttl_s <= 0:
+            return None
+        name = digest(key)
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return None
+            if time.monotonic() >= entry[0]:
+                del self._entries[name]
+                return None
+            return entry[1]
+
+    def put(self, key: str, principal: Principal) -> None:
+        if self.ttl_s <= 0:
+            return
+        name = digest(key)
+        with self._lock:
+            self._entries[name] = (time.monotonic() + self.ttl_s, principal)
+            self._entries.move_to_end(name)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
 
 
 def list_keys(session: Session) -> list[tuple[ApiKey, Tenant]]:

@@ -8,7 +8,9 @@ instead of both reading, both deciding, and one failing at commit.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +28,12 @@ ENV_VAR = "CPN_DATABASE_URL"
 
 #: How long a SQLite writer waits for the lock before giving up.
 SQLITE_BUSY_TIMEOUT_S = 30.0
+#: Connections kept open per process. The API answers from a pool of threads (and the
+#: control server and the orchestration loop have their own): with SQLAlchemy's default
+#: of 5 (+10 overflow), connections beyond the fifth were closed on return and opened
+#: again on the next request — a new PostgreSQL backend, or SQLite's PRAGMAs, per request.
+POOL_SIZE = 16
+POOL_OVERFLOW = 8
 
 
 def database_url(explicit: str | None = None) -> str:
@@ -71,6 +79,8 @@ def _sqlite_setup(engine: Engine) -> None:
 def make_engine(url: str, **kwargs: Any) -> Engine:
     url = normalize_url(url)
     if url.startswith("sqlite"):
+        if make_url(url).database not in (None, "", ":memory:"):
+            kwargs = {"pool_size": POOL_SIZE, "max_overflow": POOL_OVERFLOW, **kwargs}
         engine = create_engine(
             url,
             connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False},
@@ -78,6 +88,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         )
         _sqlite_setup(engine)
         return engine
+    kwargs = {"pool_size": POOL_SIZE, "max_overflow": POOL_OVERFLOW, **kwargs}
     return create_engine(url, pool_pre_ping=True, **kwargs)
 
 
@@ -90,6 +101,16 @@ class Registry:
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(
             self.engine.execution_options(cpn_write=True), expire_on_commit=False
+        )
+        # SQLite has one writer at a time. A second `BEGIN IMMEDIATE` does not queue: it
+        # fails with SQLITE_BUSY and the busy handler retries after sleeping 1, 2, 5, 10,
+        # … 100 ms, so under load a writer could sleep long after the lock was free (the
+        # API's p99 was hundreds of ms). Writers of this process queue on a mutex instead
+        # and take the database lock when it is theirs; other processes (the CLI) still
+        # meet the busy timeout. Re-entrant, so a nested write fails as it did before
+        # (busy timeout) instead of deadlocking here.
+        self._writer: contextlib.AbstractContextManager[object] = (
+            threading.RLock() if self.engine.dialect.name == "sqlite" else contextlib.nullcontext()
         )
 
     @property
@@ -104,7 +125,7 @@ class Registry:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """One transaction: committed when the block ends, rolled back if it raises."""
-        with self._write() as session, session.begin():
+        with self._writer, self._write() as session, session.begin():
             yield session
 
     def dispose(self) -> None:

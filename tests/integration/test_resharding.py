@@ -39,7 +39,10 @@ def test_a_dense_run_resumes_on_other_layouts_and_follows_its_curve(tmp_path: Pa
     # (2,2,2) → (4,1,1): every tensor-parallel shard joined, more replicas, no pipeline.
     other = tmp_path / "for-4-1-1"
     shutil.copytree(store, other)
-    wide = run(tmp_path, "wide", tiny_job(4, 1, 1, STEPS), checkpoint_store=str(other), resume=True)
+    # (the store given as an fsspec URL this time)
+    wide = run(
+        tmp_path, "wide", tiny_job(4, 1, 1, STEPS), checkpoint_store=other.as_uri(), resume=True
+    )
     assert_follows(wide, reference[6:])
     # (2,2,2) → (1,2,1) for three steps, then that checkpoint → (1,1,4).
     narrow = run(

@@ -5,6 +5,8 @@ bounded property-based fuzz of the whole OpenAPI that must find no 500."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,14 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from sqlalchemy import func, select
 
 from api import create_app
-from cpn.contracts import Plan, Topology
+from cpn.contracts import JobSpec, Plan, Topology
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService
 from cpn.orchestration.admission import Admitted, try_admit
-from cpn.orchestration.tenants import create_key, revoke_key
+from cpn.orchestration.errors import NeverFits
+from cpn.orchestration.tenants import KeyCache, Principal, create_key, revoke_key
 from cpn.registry import Registry, apply_heartbeats
 from cpn.registry.leases import HeartbeatRecord, LinkSample
-from cpn.registry.models import Allocation, Job, JobState, RendezvousPort, Role, utcnow
+from cpn.registry.models import Allocation, Job, JobState, RendezvousPort, Role, Tenant, utcnow
 from tests.registry_factories import node, register
 from tests.service_harness import tiny_job
 
@@ -60,7 +63,7 @@ def api(registry: Registry) -> Iterator[Api]:
             "bob": create_key(s, "bob").key,
             "admin": create_key(s, "ops", role=Role.ADMIN).key,
         }
-    cfg = ControlSettings(database_url=registry.url, plan_time_limit_s=1.0)
+    cfg = ControlSettings(database_url=registry.url, plan_time_limit_s=1.0, api_key_cache_s=0.3)
     app = create_app(registry, settings=cfg, service=JobService(registry, cfg))
     with TestClient(app) as http:
         yield Api(http, registry, cfg, keys)
@@ -94,8 +97,38 @@ def test_keys_missing_unknown_or_revoked_get_401(api: Api) -> None:
     assert api.http.get("/v1/jobs", headers=api.as_("bob")).status_code == 200
     with api.registry.write() as s:
         revoke_key(s, api.keys["bob"][:12])
+    # Accepted keys are cached for api_key_cache_s: that is the bound on revocation.
+    time.sleep(api.settings.api_key_cache_s)
     reply = api.http.get("/v1/jobs", headers=api.as_("bob"))
     assert reply.status_code == 401 and "revoked" in reply.json()["detail"]
+    assert api.http.post("/v1/jobs", json=tiny_job("x"), headers=api.as_("bob")).status_code == 401
+
+
+def test_a_revoked_key_is_refused_at_once_without_the_cache(registry: Registry) -> None:
+    with registry.write() as s:
+        key = create_key(s, "carol").key
+    cfg = ControlSettings(database_url=registry.url, api_key_cache_s=0)
+    headers = {"Authorization": f"Bearer {key}"}
+    with TestClient(create_app(registry, settings=cfg)) as http:
+        assert http.get("/v1/jobs", headers=headers).status_code == 200
+        with registry.write() as s:
+            revoke_key(s, key)
+        assert http.get("/v1/jobs", headers=headers).status_code == 401
+
+
+def test_the_key_cache_forgets_after_its_ttl_and_keeps_no_refusals() -> None:
+    principal = Principal(tenant_id=1, tenant="t", role=Role.USER)
+    cache = KeyCache(ttl_s=0.2, size=2)
+    cache.put("cpn_a", principal)
+    assert cache.get("cpn_a") == principal and cache.get("cpn_b") is None
+    cache.put("cpn_b", principal)
+    cache.put("cpn_c", principal)  # over size: the oldest goes
+    assert cache.get("cpn_a") is None and cache.get("cpn_c") == principal
+    time.sleep(0.2)
+    assert cache.get("cpn_c") is None
+    off = KeyCache(ttl_s=0)
+    off.put("cpn_a", principal)
+    assert off.get("cpn_a") is None
 
 
 def test_a_tenant_sees_only_its_own_jobs(api: Api) -> None:
@@ -187,6 +220,40 @@ def test_malformed_bodies_get_422_naming_the_field(
     assert _jobs(api.registry) == 0
 
 
+def test_values_a_database_cannot_store_get_422_naming_the_field(registry: Registry) -> None:
+    """NaN and Infinity (Python's JSON parser takes them; PostgreSQL's json does not) and
+    NUL characters (PostgreSQL text cannot hold one): refused before anything is stored,
+    also with no live site (where no never-fit check stands in front of the insert)."""
+    with registry.write() as s:
+        key = create_key(s, "t").key
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    infinite = tiny_job("inf")
+    infinite["constraints"] = {"min_gpu_memory_gb": 1e999}
+    nul_model = tiny_job("nul")
+    nul_model["constraints"] = {"gpu_model": "A100\x00"}
+    cases = [
+        ("/v1/jobs", json.dumps(infinite), "constraints.min_gpu_memory_gb: must be a finite"),
+        ("/v1/quotes", json.dumps(infinite), "constraints.min_gpu_memory_gb: must be a finite"),
+        ("/v1/jobs", json.dumps(tiny_job("nan")).replace("0.001", "NaN"), "train.lr: must be a"),
+        ("/v1/jobs", json.dumps(nul_model), "constraints.gpu_model: must not contain a NUL"),
+        ("/v1/jobs", json.dumps({**tiny_job("q"), "quote_id": "q\x00"}), "quote_id: must not"),
+    ]
+    with TestClient(create_app(registry), raise_server_exceptions=False) as http:
+        for path, body, words in cases:
+            reply = http.post(path, content=body, headers=headers)
+            assert reply.status_code == 422, (path, reply.text)
+            assert reply.json()["message"].startswith(words), reply.json()
+        reply = http.post(
+            "/v1/jobs", json=tiny_job("k"), headers={**headers, "Idempotency-Key": "a\x01b"}
+        )
+        assert reply.status_code == 422 and "idempotency-key" in reply.json()["message"]
+        for path in ("", "/events", "/metrics", "/logs"):  # an id with a NUL is no job
+            reply = http.get(f"/v1/jobs/job-%00x{path}", headers=headers)
+            assert reply.status_code == 404, (path, reply.text)
+        assert http.post("/v1/jobs/job-%00x/cancel", headers=headers).status_code == 404
+    assert _jobs(registry) == 0
+
+
 def test_a_job_that_can_never_fit_gets_the_shortfall(api: Api) -> None:
     job = tiny_job("huge", dp=8, pp=2)
     job["train"]["global_batch"] = 16
@@ -194,6 +261,30 @@ def test_a_job_that_can_never_fit_gets_the_shortfall(api: Api) -> None:
     assert reply.status_code == 422
     assert reply.json()["detail"] == "the job can never fit: needs 16 GPUs with ≥ 1.0 GB, 6 free"
     assert _jobs(api.registry) == 0
+
+
+def test_the_never_fit_check_sees_a_new_site_as_soon_as_agents_change(
+    registry: Registry,
+) -> None:
+    """The live capacity is a snapshot (SNAPSHOT_S old at most) that `capacity_version` —
+    the control server's peers version in `cpn serve` — renews at once."""
+    register(registry, "a", nodes=(node("a0", gpus=4, memory_gb=16),), probe_address="10.0.0.1:1")
+    with registry.write() as s:
+        create_key(s, "t")
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "t"))
+    assert tenant_id is not None
+    principal = Principal(tenant_id, "t", Role.USER)
+    version = [1]
+    service = JobService(
+        registry, ControlSettings(database_url=registry.url), capacity_version=lambda: version[0]
+    )
+    eight = JobSpec.model_validate(tiny_job("eight", dp=4, pp=2))
+    with pytest.raises(NeverFits, match="needs 8 GPUs"):
+        service.submit(principal, eight)
+    register(registry, "b", nodes=(node("b0", gpus=4, memory_gb=16),), probe_address="10.0.0.2:1")
+    version[0] += 1  # what the control server does when an agent registers
+    view, created = service.submit(principal, eight)
+    assert created and view.job.state is JobState.PENDING
 
 
 def test_quotes_rank_candidates_and_a_quote_runs_its_plan(api: Api) -> None:

@@ -13,6 +13,7 @@ from cpn.contracts import JobSpec
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService, Principal
 from cpn.orchestration.admission import Admitted, try_admit
+from cpn.orchestration.errors import QuotaExceeded
 from cpn.orchestration.tenants import create_key
 from cpn.registry import Registry
 from cpn.registry.models import Allocation, Job, JobState, RendezvousPort, Role, Tenant
@@ -84,3 +85,40 @@ def test_simultaneous_submissions_never_allocate_a_gpu_twice(registry: Registry)
     for job in jobs:
         assert per_job.get(job.id, 0) == (1 if job.state is JobState.SCHEDULED else 0)
     assert len(ports) == len(set(ports)) == GPUS
+
+
+def test_racing_submissions_keep_the_quota_and_one_key_makes_one_job(registry: Registry) -> None:
+    """Submissions racing from 12 threads: a tenant with a quota of 5 GPUs gets exactly 5
+    one-GPU jobs (the tenant's row is locked while it is counted); 12 requests with one
+    Idempotency-Key make one job, and all of them get it."""
+    register(registry, "a", nodes=(node("a0", gpus=4, memory_gb=16),), probe_address="10.0.0.1:1")
+    with registry.write() as s:
+        create_key(s, "capped", gpu_quota=5)
+        create_key(s, "free")
+        ids = {name: tenant_id for name, tenant_id in s.execute(select(Tenant.name, Tenant.id))}
+    service = JobService(registry, ControlSettings(database_url=registry.url))
+    spec = JobSpec.model_validate(tiny_job("one", dp=1, pp=1))
+    capped = Principal(ids["capped"], "capped", Role.USER)
+    free = Principal(ids["free"], "free", Role.USER)
+
+    def capped_submit(i: int) -> bool:
+        try:
+            service.submit(capped, spec, idempotency_key=f"k{i}")
+        except QuotaExceeded:
+            return False
+        return True
+
+    def same_key(_: int) -> tuple[str, bool]:
+        view, created = service.submit(free, spec, idempotency_key="the-one")
+        return view.job.id, created
+
+    with ThreadPoolExecutor(12) as pool:
+        accepted = sum(pool.map(capped_submit, range(12)))
+        answers = list(pool.map(same_key, range(12)))
+    assert accepted == 5
+    assert len({job_id for job_id, _ in answers}) == 1
+    assert sum(created for _, created in answers) == 1
+    with registry.read() as s:
+        rows = s.execute(select(Job.tenant_id, func.count()).group_by(Job.tenant_id))
+        per_tenant = {tenant_id: n for tenant_id, n in rows}
+    assert per_tenant == {ids["capped"]: 5, ids["free"]: 1}
