@@ -45,7 +45,7 @@ bandwidth; gradient sync is not overlapped with the backward pass.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -296,9 +296,17 @@ class Workload:
         nbytes = self.stage_numel(stage) * self.grad_bytes * self.tp
         return 2 * nbytes * 8 / (intra_site_gbps * 1e9)
 
-    def dp_wan_seconds(self, stage: int, sites: int, route: Route) -> float:
-        """WAN phase of the stage's sync if the slowest pair of its sites is `route`."""
-        return route.seconds(self.dp_wan_per_leader(stage, sites), self.dp_wan_steps(sites))
+    def dp_wan_seconds(self, stage: int, sites: int, routes: Iterable[Route]) -> float:
+        """WAN phase of the stage's sync over `sites` sites: its slowest pair of sites.
+
+        `routes` are the routes between the pairs of the stage's sites. Every leader sends
+        `dp_wan_steps` sequential messages carrying `dp_wan_per_leader` bytes in all, so a
+        pair takes `route.seconds(bytes, messages)`; the phase ends with the slowest pair.
+        This is the one place the formula lives: `evaluate` calls it, and the CP-SAT time
+        model takes its coefficients from `Route.seconds`, which is linear in both.
+        """
+        volume, steps = self.dp_wan_per_leader(stage, sites), self.dp_wan_steps(sites)
+        return max((route.seconds(volume, steps) for route in routes), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -403,14 +411,8 @@ def evaluate(
                 else:
                     sent = wire.ring_allreduce_bytes(e, w.wan_grad_bytes, k, i) * tp
                 load(route(site, nxt), sent)
-            # Worst pair of the stage's sites (`Workload.dp_wan_seconds`, inlined: this is
-            # O(k²) per stage and evaluated for every candidate placement).
-            steps, volume_bits = w.dp_wan_steps(k), w.dp_wan_per_leader(p, k) * 8
-            for i, a in enumerate(sites):
-                for b in sites[i + 1 :]:
-                    rt = route(a, b)
-                    t = steps * rt.latency_ms / 1e3 + volume_bits / (rt.bandwidth_gbps * 1e9)
-                    wan_time = max(wan_time, t)
+            pairs = (route(a, b) for i, a in enumerate(sites) for b in sites[i + 1 :])
+            wan_time = w.dp_wan_seconds(p, k, pairs)
         dp_seconds[p] = intra_time + wan_time
 
     # Compute: the slowest shard of each stage.

@@ -166,9 +166,6 @@ class JobSpec(_Strict):
             raise ValueError("parallel: auto has no fixed layout yet")
         return self.parallel
 
-    def with_parallel(self, parallel: ParallelSpec) -> JobSpec:
-        return self.model_copy(update={"parallel": parallel, "gpus": parallel.world_size})
-
 
 def layout_problem(model: ModelSpec, train: TrainSpec, par: ParallelSpec) -> str | None:
     """Why `par` cannot run this model and batch, as 'field: reason', or None if it can."""

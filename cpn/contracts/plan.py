@@ -74,6 +74,12 @@ class SolverReport(_Model):
     gap: float = Field(ge=0, description="(objective − bound) / objective; 0 when proven optimal")
     objective_name: str = "wan_bytes"
     objective_unit: str = "bytes"
+    proved_by: str | None = Field(
+        default=None,
+        description="what proved `bound`: 'CP-SAT', 'pattern bound' (wan_bytes: column "
+        "generation over per-site patterns), 'time bound' (iteration_time: slowest compute "
+        "plus the least communication); None when nothing was proved (HEURISTIC)",
+    )
     # parallel: auto only: how the layout search went
     layouts_considered: int | None = None
     layouts_solved: int | None = None

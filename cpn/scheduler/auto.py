@@ -3,28 +3,34 @@
 Candidates: every factorisation of the budget with tp ≤ the GPUs of the largest eligible
 node and dividing the heads, pp dividing the layers, dp dividing the batch into whole
 micro-batches, and every stage fitting in the memory of some eligible GPU. They are
-solved in order of a lower bound on their iteration time (pure compute on the fastest
-eligible GPU, no communication), each briefly; a candidate whose bound is no better than
-the best plan found so far is pruned without solving. The plan with the best predicted
-iteration time wins (DESIGN.md §4); the next ones are reported as runners-up.
+solved in order of a proven lower bound on their iteration time (`time_bound.py`: compute,
+pipeline hops and data-parallel sync any placement must pay; without the pattern machinery,
+pure compute on the fastest eligible GPU), sharing the budget; a candidate whose bound is
+no better than the best plans found so far (the winner and its runners-up) is pruned
+without solving. The plan with the
+best predicted iteration time wins (DESIGN.md §4); the next ones are reported as
+runners-up. The report's gap is on iteration time against the least bound of the layouts
+solved, which bounds every layout (the pruned ones' bounds are above the best plan).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from cpn.contracts.job import JobSpec, ParallelSpec, layout_problem
-from cpn.contracts.plan import Alternative, Plan
+from cpn.contracts.plan import Alternative, Plan, SolverReport
 from cpn.contracts.reservations import Reservations
 from cpn.contracts.topology import Topology
 from cpn.costmodel import GIB, Workload
 from cpn.errors import InfeasibleError
 from cpn.network import SiteGraph
 from cpn.scheduler.cpsat import Objective, SolverSettings
-from cpn.scheduler.instance import Instance, check_job_against_topology
+from cpn.scheduler.instance import Instance, build_instance, check_job_against_topology
 from cpn.scheduler.realize import to_plan
 from cpn.scheduler.solve import Solved, place_fixed
+from cpn.scheduler.time_bound import iteration_time_bound
 
 RUNNERS_UP = 3
 
@@ -85,36 +91,48 @@ def plan_auto(
             f"({job.model.heads}) and fit in one node, pp divide layers ({job.model.layers}), "
             f"dp divide global_batch/micro_batch, and every stage fit in GPU memory"
         )
-    per_try = SolverSettings(
-        time_limit=max(0.5, settings.time_limit / len(cands)),
-        workers=settings.workers,
-        seed=settings.seed,
-        dtime_per_second=settings.dtime_per_second,
-        deterministic=settings.deterministic,
-    )
     start = time.perf_counter()
-    tried: list[tuple[float, ParallelSpec, Instance, Solved]] = []
     reasons: list[str] = []
+    # Each layout's proven bound on the iteration time of any of its placements: the
+    # compute-only one, or (with the pattern machinery) `iteration_time_bound`.
+    ranked: list[tuple[float, ParallelSpec]] = []
+    for compute_only, par in cands:
+        bound = compute_only
+        if settings.patterns:
+            try:
+                inst = build_instance(topology, Workload(job, par), reservations, graph)
+            except InfeasibleError as exc:
+                reasons.append(f"dp={par.dp} tp={par.tp} pp={par.pp}: {exc}")
+                continue
+            bound = max(bound, iteration_time_bound(inst).seconds)
+        ranked.append((bound, par))
+    ranked.sort(key=lambda t: (t[0], t[1].pp, t[1].tp))
+    tried: list[tuple[float, ParallelSpec, Instance, Solved, float]] = []
     pruned = 0
-    for i, (bound, par) in enumerate(cands):
-        best = min((t[0] for t in tried), default=float("inf"))
-        if bound >= best:
-            pruned += len(cands) - i  # sorted by bound: every later one is pruned too
+    for i, (bound, par) in enumerate(ranked):
+        # A layout is pruned when its bound shows it can be neither the best plan nor a
+        # runner-up: no better than the slowest of the best 1 + RUNNERS_UP plans so far.
+        times = sorted(t[0] for t in tried)
+        cutoff = times[RUNNERS_UP] if len(times) > RUNNERS_UP else float("inf")
+        if bound >= cutoff:
+            pruned += len(ranked) - i  # sorted by bound: every later one is pruned too
             break
         if progress is not None:
-            progress(f"[{i + 1}/{len(cands)}] dp={par.dp} tp={par.tp} pp={par.pp}")
+            progress(f"[{i + 1}/{len(ranked)}] dp={par.dp} tp={par.tp} pp={par.pp}")
+        # Equal shares, fixed in advance: the plan must not depend on the machine's speed.
+        per_try = replace(settings, time_limit=max(0.5, settings.time_limit / len(ranked)))
         try:
             inst, solved = place_fixed(topology, job, par, reservations, graph, objective, per_try)
         except InfeasibleError as exc:
             reasons.append(f"dp={par.dp} tp={par.tp} pp={par.pp}: {exc}")
             continue
-        tried.append((solved.evaluation.iteration_seconds, par, inst, solved))
+        tried.append((solved.evaluation.iteration_seconds, par, inst, solved, bound))
     if not tried:
         raise InfeasibleError(
             f"none of {len(cands)} layouts of {job.gpus} GPUs can be placed (first: {reasons[0]})"
         )
     tried.sort(key=lambda t: (t[0], t[3].evaluation.wan))
-    _, par, inst, solved = tried[0]
+    _, par, inst, solved, _ = tried[0]
     runners = [
         Alternative(
             parallel=p,
@@ -122,14 +140,53 @@ def plan_auto(
             wan_bytes=s.evaluation.wan,
             status=s.report.status,
         )
-        for _, p, _, s in tried[1 : 1 + RUNNERS_UP]
+        for _, p, _, s, _ in tried[1 : 1 + RUNNERS_UP]
     ]
-    report = solved.report.model_copy(
-        update={
-            "seconds": time.perf_counter() - start,
-            "layouts_considered": len(cands),
-            "layouts_solved": len(tried),
-            "layouts_pruned": pruned,
-        }
-    )
+    counts = {
+        "seconds": time.perf_counter() - start,
+        "layouts_considered": len(cands),
+        "layouts_solved": len(tried),
+        "layouts_pruned": pruned,
+    }
+    if settings.patterns:
+        report = _layout_search_report(tried, objective, counts)
+    else:
+        report = solved.report.model_copy(update=counts)
     return to_plan(inst, solved.shards, report, objective.value, runners)
+
+
+def _layout_search_report(
+    tried: list[tuple[float, ParallelSpec, Instance, Solved, float]],
+    objective: Objective,
+    counts: dict[str, float | int],
+) -> SolverReport:
+    """The report of the layout search: the winner's iteration time against the least
+    bound of the layouts solved.
+
+    `parallel: auto` ranks layouts by iteration time, so that is what its gap is about,
+    whatever objective placed each layout. A layout pruned without solving had a bound at
+    least the best time found, so the least bound of those solved bounds every layout.
+    """
+    value = tried[0][3].evaluation.iteration_seconds
+    bounds = []
+    for _, _, _, solved, layout_bound in tried:
+        solver = solved.report
+        if objective is Objective.ITERATION_TIME and solver.bound > layout_bound:
+            bounds.append((solver.bound, solver.proved_by or "CP-SAT"))
+        else:
+            bounds.append((layout_bound, "time bound"))
+    bound, proved_by = min(bounds)
+    optimal = value <= bound * (1 + 1e-12)
+    return SolverReport(
+        status="OPTIMAL" if optimal else "FEASIBLE",
+        seconds=float(counts["seconds"]),
+        objective=value,
+        bound=value if optimal else bound,
+        gap=0.0 if optimal or value == 0 else max(0.0, (value - bound) / value),
+        objective_name=Objective.ITERATION_TIME.value,
+        objective_unit="seconds",
+        proved_by=proved_by,
+        layouts_considered=int(counts["layouts_considered"]),
+        layouts_solved=int(counts["layouts_solved"]),
+        layouts_pruned=int(counts["layouts_pruned"]),
+    )

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import reduce
 
@@ -73,12 +73,6 @@ class PhaseReport:
     bound: float
 
 
-@dataclass
-class SolveOutcome:
-    counts: Counts
-    phases: list[PhaseReport] = field(default_factory=list)
-
-
 @dataclass(frozen=True)
 class SolverSettings:
     time_limit: float = 10.0
@@ -89,6 +83,10 @@ class SolverSettings:
     #: Deterministic time units per second of budget (calibrated on the benchmark models:
     #: one unit took about two seconds of one core here).
     dtime_per_second: float = 0.5
+    #: Bound, cut and start the WAN-bytes search with the per-site pattern formulation
+    #: (`cpn.scheduler.patterns`); False runs the CP-SAT search alone, as before it existed
+    #: (the benchmark compares the two in one run).
+    patterns: bool = True
 
 
 def rebase(expr: cp_model.LinearExprT, clone: cp_model.CpModel) -> cp_model.LinearExprT:
@@ -362,10 +360,13 @@ class PlacementModel:
                 # Per-leader volume as a table over k, in units so that bandwidth
                 # coefficients stay ≥ 1000 (0.1 % rounding).
                 pairs = [(a, b) for i, a in enumerate(used) for b in used[i + 1 :]]
-                routes = {(a, b): inst.graph.route(a, b) for a, b in pairs}
-                pairs = [pr for pr in pairs if routes[pr] is not None]
-                if pairs:
-                    min_coef = min(8 / (routes[pr].bandwidth_gbps * 1e9) * PS for pr in pairs)  # type: ignore[union-attr]
+                routes = {pr: r for pr in pairs if (r := inst.graph.route(*pr)) is not None}
+                if routes:
+                    # `Workload.dp_wan_seconds` for a pair is route.seconds(volume, steps),
+                    # linear in both: its coefficients come from `Route.seconds` itself.
+                    per_byte = {pr: r.seconds(1, 0) * PS for pr, r in routes.items()}
+                    per_msg = {pr: ps(r.seconds(0, 1)) for pr, r in routes.items()}
+                    min_coef = min(per_byte.values())
                     shift = max(0, math.ceil(math.log2(1000 / min_coef))) if min_coef < 1000 else 0
                     unit = 1 << shift
                     vols = [math.ceil(w.dp_wan_per_leader(p, kk) / unit) for kk in range(kmax + 1)]
@@ -374,18 +375,10 @@ class PlacementModel:
                     # Messages per leader are linear in k − 1 (the cost model's rule).
                     steps = w.dp_wan_steps(2) * (self.k[p] - 1)
                     max_steps = w.dp_wan_steps(kmax)
-                    for a, b in pairs:
-                        r = routes[(a, b)]
-                        assert r is not None
-                        lat = ps(r.latency_ms / 1e3)
-                        coef = round(8 * unit / (r.bandwidth_gbps * 1e9) * PS)
-                        wan_ub = max(wan_ub, lat * max_steps + coef * max(vols))
+                    coefs = {pr: (per_msg[pr], round(unit * per_byte[pr])) for pr in routes}
+                    wan_ub = max(lat * max_steps + coef * max(vols) for lat, coef in coefs.values())
                     wan = m.new_int_var(0, wan_ub, f"dpw{p}")
-                    for a, b in pairs:
-                        r = routes[(a, b)]
-                        assert r is not None
-                        lat = ps(r.latency_ms / 1e3)
-                        coef = round(8 * unit / (r.bandwidth_gbps * 1e9) * PS)
+                    for (a, b), (lat, coef) in coefs.items():
                         m.add(wan >= lat * steps + coef * vol).only_enforce_if(
                             [self.y[(p, a)], self.y[(p, b)]]
                         )

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
+
 from cpn.contracts.plan import ShardPlacement
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.pool import FreeGpus
@@ -95,3 +97,81 @@ def chain_fill(inst: Instance) -> list[ShardPlacement] | None:
 
 def block_lengths(pp: int) -> list[int]:
     return [d for d in range(1, pp + 1) if pp % d == 0]
+
+
+def cluster_replicas(inst: Instance) -> list[ShardPlacement] | None:
+    """Whole replicas on the tightest cluster of sites: for iteration time.
+
+    With no replica crossing the WAN between stages, a plan's pipeline runs at compute
+    speed and its time is the data-parallel sync among the sites it uses, whose slowest
+    pair sets the pace (`Workload.dp_wan_seconds`). So sites are added one at a time to
+    the one that keeps the slowest pair fastest, from every possible first site, until
+    their whole-replica room covers dp; the cluster with the fastest slowest pair wins.
+    """
+    w = inst.workload
+    dp, pp = inst.dp, inst.pp
+    room = {s: _whole_replicas(inst, s) for s in inst.sites}
+    hosts = [s for s in inst.sites if room[s] > 0]
+    if sum(room[s] for s in hosts) < dp:
+        return None
+    n = len(hosts)
+    # Pair costs of a typical sync: the middle stage over as many sites as replicas need.
+    k_guess = max(2, min(n, -(-dp // max(room.values()))))
+    volume, steps = w.dp_wan_per_leader(pp // 2, k_guess), w.dp_wan_steps(k_guess)
+    cost = np.full((n, n), np.inf)
+    for i, a in enumerate(hosts):
+        for j, b in enumerate(hosts):
+            route = inst.graph.route(a, b)
+            if i == j:
+                cost[i, j] = 0.0
+            elif route is not None:
+                cost[i, j] = route.seconds(volume, steps)
+    best: tuple[float, list[int]] | None = None
+    capacity = np.array([room[s] for s in hosts])
+    for first in range(n):
+        chosen = [first]
+        worst = cost[first].copy()  # slowest pair from each site to the cluster
+        have = int(capacity[first])
+        slowest = 0.0
+        while have < dp:
+            worst_masked = worst.copy()
+            worst_masked[chosen] = np.inf
+            nxt = int(np.argmin(worst_masked))
+            if not np.isfinite(worst_masked[nxt]):
+                break
+            slowest = max(slowest, float(worst_masked[nxt]))
+            chosen.append(nxt)
+            worst = np.maximum(worst, cost[nxt])
+            have += int(capacity[nxt])
+        if have >= dp and (best is None or slowest < best[0]):
+            best = (slowest, chosen)
+    if best is None:
+        return None
+    free = FreeGpus(inst)
+    out: list[ShardPlacement] = []
+    replica = 0
+    for i in sorted(best[1], key=lambda i: -capacity[i]):
+        site = hosts[i]
+        for _ in range(room[site]):
+            if replica == dp:
+                break
+            for p in range(pp):
+                got = free.take(site, p)
+                if got is None:
+                    return None
+                out.append(
+                    ShardPlacement(replica=replica, stage=p, site=site, node=got[0], gpus=got[1])
+                )
+            replica += 1
+    return _sorted(out) if replica == dp else None
+
+
+def _whole_replicas(inst: Instance, site: str) -> int:
+    """How many whole replicas (one shard of every stage) fit in `site`."""
+    free = FreeGpus(inst)
+    count = 0
+    while count < inst.dp:
+        if any(free.take(site, p) is None for p in range(inst.pp)):
+            break
+        count += 1
+    return count

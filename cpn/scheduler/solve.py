@@ -30,6 +30,9 @@ from cpn.scheduler.cpsat import (
     run,
 )
 from cpn.scheduler.instance import Instance, build_instance, check_capacity, restrict
+from cpn.scheduler.patterns.cuts import add_cuts
+from cpn.scheduler.patterns.problem import counts_of as pattern_counts
+from cpn.scheduler.patterns.search import PatternResult, pattern_search
 from cpn.scheduler.realize import (
     Counts,
     complete_flows,
@@ -37,6 +40,7 @@ from cpn.scheduler.realize import (
     evaluate_shards,
     realize,
 )
+from cpn.scheduler.time_bound import TimeBound, iteration_time_bound
 
 #: Up to this many candidate sites the time phase may move shards between sites; beyond
 #: it (with the bytes objective) it keeps the bytes phase's counts and chooses flows only.
@@ -48,6 +52,8 @@ FULL_SOLVE_SHARE = 0.3
 FINISH_SHARE = 0.08
 #: Relative error of the time model's integer coefficients against the cost model.
 TIME_MODEL_TOLERANCE = 2e-3
+#: Share of the budget the pattern search (bound, cuts, plans) may take for WAN bytes.
+PATTERN_SHARE = 0.4
 
 
 def objective_key(objective: Objective) -> Callable[[Evaluation], tuple[float, float]]:
@@ -64,37 +70,52 @@ class Solved:
     report: SolverReport
 
 
-def _starting_point(inst: Instance, objective: Objective) -> Counts | None:
-    """The best of the baselines and constructive heuristics, as counts with flows.
+def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
+    """The baselines and constructive heuristics, best first, as counts with flows.
 
     Each candidate's replicas are re-matched across stages (`complete_flows`), which
     only removes needless crossings.
     """
     key = objective_key(objective)
-    best: tuple[tuple[float, float], Counts] | None = None
+    scored: list[tuple[tuple[float, float], int, Counts]] = []
     makers: list[Callable[[Instance], list[ShardPlacement] | None]] = [
         heuristics.chain_fill,
+        heuristics.cluster_replicas,
         baselines.greedy,
         baselines.round_robin,
     ]
     makers += [partial(heuristics.blocks, length=n) for n in heuristics.block_lengths(inst.pp)]
-    for make in makers:
+    for i, make in enumerate(makers):
         shards = make(inst)
         if shards is None:
             continue
         counts = complete_flows(inst, Counts(counts_of(inst, shards).shards))
-        score = key(evaluate_shards(inst, realize(inst, counts)))
-        if best is None or score < best[0]:
-            best = (score, counts)
-    return best[1] if best else None
+        scored.append((key(evaluate_shards(inst, realize(inst, counts))), i, counts))
+    return [counts for _, _, counts in sorted(scored, key=lambda t: (t[0], t[1]))]
+
+
+@dataclass(frozen=True)
+class ProvenBound:
+    """A lower bound proved outside CP-SAT, in the objective's unit, and what proved it."""
+
+    value: float
+    proved_by: str
 
 
 def _report(
-    primary: PhaseReport | None, objective: Objective, final: Evaluation, seconds: float
+    primary: PhaseReport | None,
+    objective: Objective,
+    final: Evaluation,
+    seconds: float,
+    proven: ProvenBound | None = None,
 ) -> SolverReport:
+    """The solver report of the final plan: the best bound of CP-SAT's and `proven`."""
     value = float(final.wan) if objective is Objective.WAN_BYTES else final.iteration_seconds
     unit = "bytes" if objective is Objective.WAN_BYTES else "seconds"
-    if primary is None or not math.isfinite(primary.value):
+    solved = primary is not None and math.isfinite(primary.value)
+    solver_bound = primary.bound if primary is not None and solved else 0.0
+    own = proven.value if proven is not None else 0.0
+    if not solved and proven is None:
         return SolverReport(
             status="HEURISTIC",
             seconds=seconds,
@@ -104,12 +125,17 @@ def _report(
             objective_name=objective.value,
             objective_unit=unit,
         )
-    bound = min(primary.bound, value)
+    bound = min(max(solver_bound, own), value)
     # The time model rounds coefficients (picoseconds, 0.1 % volume units): the solver's
     # optimum on its model is the plan's, up to that rounding.
     tolerance = 0.0 if objective is Objective.WAN_BYTES else TIME_MODEL_TOLERANCE
-    optimal = primary.status == "OPTIMAL" and value <= primary.value * (1 + tolerance)
+    optimal = value <= bound * (1 + 1e-12) or (
+        primary is not None
+        and primary.status == "OPTIMAL"
+        and value <= primary.value * (1 + tolerance)
+    )
     gap = 0.0 if optimal or value == 0 else max(0.0, (value - bound) / value)
+    proved_by = proven.proved_by if proven is not None and own >= solver_bound else "CP-SAT"
     return SolverReport(
         status="OPTIMAL" if optimal else "FEASIBLE",
         seconds=seconds,
@@ -118,6 +144,7 @@ def _report(
         gap=gap,
         objective_name=objective.value,
         objective_unit=unit,
+        proved_by=proved_by,
     )
 
 
@@ -194,11 +221,29 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     def left() -> float:
         return max(0.05, budget - (time.perf_counter() - start))
 
-    seed = _starting_point(inst, objective)
+    starts = _starting_points(inst, objective)
+    seed = starts[0] if starts else None
+    key = objective_key(objective)
+
+    # Phase 0 (WAN bytes): the pattern formulation's bound, cuts and plan.
+    pattern: PatternResult | None = None
+    if settings.patterns and objective is Objective.WAN_BYTES:
+        pattern = pattern_search(inst, starts, left() * PATTERN_SHARE, settings)
+        if pattern.plan is not None:
+            planned = complete_flows(inst, pattern_counts(inst, pattern.plan))
+            if seed is None or key(evaluate_shards(inst, realize(inst, planned))) < key(
+                evaluate_shards(inst, realize(inst, seed))
+            ):
+                seed = planned
 
     # Phase 1: bytes on the compact model (exact for bytes; also the fastest way to a
     # feasible placement, which the time model then starts from).
     compact = PlacementModel(inst, with_time=False)
+    if pattern is not None:
+        for prices in pattern.cuts:
+            add_cuts(compact, pattern.problem, prices)
+        # CP-SAT stops as soon as a placement meets the pattern bound.
+        compact.m.add(compact.wan_units >= pattern.bound // compact.bytes_unit)
     share = 0.6 if objective is Objective.WAN_BYTES else 0.25
     first = optimise(compact, Objective.WAN_BYTES, seed, settings, left() * share)
     if first is not None:
@@ -216,9 +261,21 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     # Phase 2: iteration time. On small instances the full model (counts free, flows
     # between every pair of sites); on large ones, with the bytes objective, the counts
     # of phase 1 stay and only the flows between sites are chosen (a small model).
+    time_bound: TimeBound | None = None
+    if objective is Objective.ITERATION_TIME:
+        if seed is not None and key(evaluate_shards(inst, realize(inst, seed))) < key(
+            evaluate_shards(inst, realize(inst, counts))
+        ):
+            counts = seed  # start the time search from the faster of the two
+        if settings.patterns:
+            time_bound = iteration_time_bound(inst)
     arcs = {k for k in counts.flows if k[1] != k[2]}
     full = len(inst.sites) <= FULL_TIME_MODEL_SITES or objective is Objective.ITERATION_TIME
     timed = PlacementModel(inst, with_time=True, extra_arcs=arcs, fixed=None if full else counts)
+    if time_bound is not None and timed.time_ps is not None:
+        # CP-SAT may stop when a placement meets the bound (less the model's rounding).
+        floor_ps = math.floor(time_bound.seconds * PS * (1 - TIME_MODEL_TOLERANCE))
+        timed.m.add(timed.time_ps >= floor_ps)
     primary: PhaseReport | None = bytes_phase if objective is Objective.WAN_BYTES else None
     if objective is Objective.WAN_BYTES:
         cap = (Objective.WAN_BYTES, best_units) if best_units is not None else None
@@ -241,10 +298,14 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         # Only when a phase ran out of time can the start be better: never return worse.
         seed_shards = realize(inst, seed)
         seed_ev = evaluate_shards(inst, seed_shards)
-        key = objective_key(objective)
         if key(seed_ev) < key(ev):
             shards, ev = seed_shards, seed_ev
-    report = _report(primary, objective, ev, time.perf_counter() - start)
+    proven = None
+    if pattern is not None:
+        proven = ProvenBound(float(pattern.bound), "pattern bound")
+    elif time_bound is not None:
+        proven = ProvenBound(time_bound.seconds, "time bound")
+    report = _report(primary, objective, ev, time.perf_counter() - start, proven)
     return Solved(shards, ev, report)
 
 
