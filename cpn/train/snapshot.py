@@ -85,7 +85,8 @@ class WorkerSnapshot:
     ) -> None:
         self.module, self.optimizer, self.sync = module, optimizer, sync
         self.layout, self.shards, self.device = layout, shards, device
-        self.names = [name for name, _ in module.named_parameters()]
+        self.params = dict(module.named_parameters())
+        self.names = list(self.params)
         self._mesh: DeviceMesh | None = None
 
     # -- meshes --------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class WorkerSnapshot:
 
     # -- what is saved ---------------------------------------------------------------------
     def _params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        yield from self.module.named_parameters()
+        yield from self.params.items()
 
     def _site_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """(kind, parameter name, local buffer) of the error feedback this worker keeps."""
@@ -155,7 +156,7 @@ class WorkerSnapshot:
         return out
 
     def _param_shape(self, name: str) -> torch.Size:
-        return dict(self._params())[name].shape
+        return self.params[name].shape
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, store: CheckpointStore, step: int) -> Resumed:
@@ -240,15 +241,13 @@ class WorkerSnapshot:
             if owner not in resumed.flushed_sites:
                 resumed.flushed_sites.append(owner)
             if flusher:
-                scratch = torch.zeros_like(
-                    dict(self._params())[name], memory_format=torch.contiguous_format
-                )
+                scratch = torch.zeros_like(self.params[name], memory_format=torch.contiguous_format)
                 target[key] = self._site_dtensor(name, scratch)
                 pending.setdefault(name, []).append(target[key])
         return pending if flusher and pending else None
 
     def _buffer(self, store: dict[int, torch.Tensor], slot: int, name: str) -> torch.Tensor:
-        numel = dict(self._params())[name].numel()
+        numel = self.params[name].numel()
         return self.sync.main.buffer(store, slot, numel, self.device)
 
     def _site_dtensor(self, name: str, buf: torch.Tensor) -> DTensor:
