@@ -70,6 +70,14 @@ HEARTBEATS: dict[str, tuple[dict[str, Any], str]] = {
         {"links": [_link(measured_at_unix_ms=NOW_MS - 3 * 86_400_000)]},
         "links[0].measured_at_unix_ms:",
     ),
+    "tiny bandwidth": (
+        {"links": [_link(bandwidth_gbps=1e-12)]},
+        "links[0].bandwidth_gbps: must be 0 (link down) or ≥ 0.001, got 1e-12",
+    ),
+    "subnormal bandwidth": (
+        {"links": [_link(bandwidth_gbps=5e-324)]},
+        "links[0].bandwidth_gbps: must be 0 (link down) or ≥ 0.001",
+    ),
     "unknown peer site": (
         {"links": [_link(peer_site="zz")]},
         "links[0].peer_site: unknown site 'zz'",

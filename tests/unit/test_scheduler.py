@@ -351,3 +351,29 @@ FAST_REPORT = __import__("cpn.contracts", fromlist=["SolverReport"]).SolverRepor
 
 def test_parallel_spec_roundtrip() -> None:
     assert ParallelSpec(dp=2, tp=4, pp=3).world_size == 24
+
+
+@pytest.mark.parametrize("objective", list(Objective))
+def test_a_job_far_too_big_for_its_links_is_infeasible_not_an_overflow(
+    objective: Objective,
+) -> None:
+    """Times beyond what CP-SAT's 64-bit integers hold (a 1 Mbit/s link and a huge model)
+    are refused with a sentence, never an OverflowError or a solver error."""
+    topo = topology(
+        [site("a", gpus=2, memory_gb=1e5), site("b", gpus=2, memory_gb=1e5)],
+        [link("a", "b", gbps=0.001, ms=10)],
+    )
+    spec = job(
+        2,
+        1,
+        2,
+        layers=4,
+        hidden=32768,
+        heads=32,
+        seq_len=32768,
+        vocab=512,
+        micro_batch=64,
+        dtype="bf16",
+    )
+    with pytest.raises(InfeasibleError, match="far too slow for this job"):
+        plan_job(topo, spec, objective=objective, settings=SolverSettings(time_limit=3))
