@@ -41,6 +41,7 @@ from cpn.scheduler.realize import (
     realize,
 )
 from cpn.scheduler.time_bound import TimeBound, iteration_time_bound
+from cpn.scheduler.time_flows import balanced_flows, hop_coefficients
 
 #: Up to this many candidate sites the time phase may move shards between sites; beyond
 #: it (with the bytes objective) it keeps the bytes phase's counts and chooses flows only.
@@ -85,12 +86,21 @@ def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
         baselines.round_robin,
     ]
     makers += [partial(heuristics.blocks, length=n) for n in heuristics.block_lengths(inst.pp)]
+    hops = hop_coefficients(inst) if objective is Objective.ITERATION_TIME else None
     for i, make in enumerate(makers):
         shards = make(inst)
         if shards is None:
             continue
         counts = complete_flows(inst, Counts(counts_of(inst, shards).shards))
-        scored.append((key(evaluate_shards(inst, realize(inst, counts))), i, counts))
+        score = key(evaluate_shards(inst, realize(inst, counts)))
+        if hops is not None:
+            # For time, spread the crossing replicas over pairs of sites (time_flows).
+            spread = balanced_flows(inst, counts, hops)
+            if spread is not None:
+                spread_score = key(evaluate_shards(inst, realize(inst, spread)))
+                if spread_score < score:
+                    counts, score = spread, spread_score
+        scored.append((score, i, counts))
     return [counts for _, _, counts in sorted(scored, key=lambda t: (t[0], t[1]))]
 
 
@@ -172,7 +182,7 @@ def optimise(
     began = time.perf_counter()
     deadline = began + seconds
     # The start's value under the cap `run` adds below (None: no incumbent for LNS).
-    start_units = model.hint(start, objective, cap) if start is not None else None
+    start_units = model.hint(start, objective, cap, 0.5 * seconds) if start is not None else None
     large = len(model.inst.sites) > FULL_TIME_MODEL_SITES
     first = seconds * (FULL_SOLVE_SHARE if large else 1.0)
     wall = max(0.05, min(2 * first, deadline - time.perf_counter()))
@@ -194,8 +204,11 @@ def optimise(
             counts, units = result.counts, result.value
             if model.with_time:
                 # LNS returns counts only; read the flows back from a pinned solve.
-                model.hint(counts, objective, cap)
-                counts = _flows_of_hint(model, counts)
+                left = max(0.05, deadline - time.perf_counter())
+                if model.hint(counts, objective, cap, left) is not None:
+                    counts = _flows_of_hint(model, counts)
+                else:  # the pinned solve ran out of time: the greedy flows will do
+                    counts = complete_flows(model.inst, Counts(counts.shards))
     if report.value != units * scale:
         report = PhaseReport(
             objective, report.status, time.perf_counter() - began, units * scale, report.bound
@@ -294,6 +307,14 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
 
     shards = realize(inst, counts)
     ev = evaluate_shards(inst, shards)
+    if objective is Objective.ITERATION_TIME:
+        # The search's flows may still pile replicas on one pair of sites: spread them.
+        spread = balanced_flows(inst, counts)
+        if spread is not None:
+            spread_shards = realize(inst, spread)
+            spread_ev = evaluate_shards(inst, spread_shards)
+            if key(spread_ev) < key(ev):
+                shards, ev = spread_shards, spread_ev
     if seed is not None:
         # Only when a phase ran out of time can the start be better: never return worse.
         seed_shards = realize(inst, seed)

@@ -20,8 +20,10 @@ and the bound is the smaller of the two. Its parts:
     dp-th fastest slot that fits it;
   - sync of stage p over k sites: the in-site phase wherever a site must hold two replicas
     (k < dp), plus the WAN phase, `Workload.dp_wan_seconds`, whose slowest pair among k
-    sites is at least, for the best site a, the (k − 1)-th cheapest pair from a (a has
-    k − 1 partners in the set; the most expensive is no cheaper than that).
+    sites is at least, for the best site a, the cheapest c such that a's partners costing
+    ≤ c include k − 1 that hold, with a, room for dp replicas of the stage (a has k − 1
+    partners in the set, the set holds the stage, and its most expensive pair from a is
+    no cheaper than that).
 
 Pair costs come from `Route.seconds` (the cost model's one formula), evaluated for all
 pairs at once with numpy.
@@ -30,6 +32,7 @@ pairs at once with numpy.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import networkx as nx
@@ -38,6 +41,7 @@ import numpy.typing as npt
 
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.patterns.classes import site_classes
+from cpn.scheduler.time_flows import hop_coefficients
 
 #: Relative margin taken off the bound for floating-point rounding.
 FLOAT_MARGIN = 1e-9
@@ -49,6 +53,7 @@ class TimeBound:
     crossing_free: float  # the least time of placements without a WAN crossing (A)
     crossing: float  # the least time of placements with one (B); inf if pp = 1
     compute: float  # the least slowest compute per micro-batch any placement has
+    sites_per_stage: float = 0.0  # (C): sync against crossings, by sites per stage
 
 
 def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
@@ -122,18 +127,40 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
 
     hosts_of = [tuple(i for i, s in enumerate(sites) if caps[(p, s)] > 0) for p in range(pp)]
     best_fabric = max(fabric.values())
-    wan_cache: dict[tuple[float, int, tuple[int, ...], int], float] = {}
+    wan_cache: dict[tuple[float, int, tuple[int, ...], tuple[int, ...], int], float] = {}
 
-    def wan(volume: float, steps: int, hosts: tuple[int, ...], k: int) -> float:
-        """Least slowest pair of any k of `hosts` for this volume and message count."""
-        key = (volume, steps, hosts, k)
-        if key not in wan_cache:
-            idx = np.ix_(hosts, hosts)
-            cost = steps * per_msg[idx] + volume * per_byte[idx]
-            np.fill_diagonal(cost, np.inf)
-            # The (k − 1)-th cheapest partner of each site; the best site bounds every set.
-            kth = np.partition(cost, k - 2, axis=1)[:, k - 2]
-            wan_cache[key] = float(kth.min())
+    def wan(p: int, k: int) -> float:
+        """Least slowest pair of any k sites of stage p that can hold its dp replicas.
+
+        Any such set Σ holds some site a; a's k − 1 partners in Σ all cost at most the
+        phase, and with a they hold dp replicas: so the phase is at least, for the best a,
+        the least cost c such that a's partners costing ≤ c include k − 1 whose room with
+        a's is ≥ dp. The k − 1 roomiest of a prefix have room Σ_v (v − v⁻)·min(k − 1,
+        #partners with room ≥ v) over the distinct room values v (layer cake).
+        """
+        hosts = hosts_of[p]
+        volume, steps = w.dp_wan_per_leader(p, k), w.dp_wan_steps(k)
+        room_of = tuple(caps[(p, sites[i])] for i in hosts)
+        key = (volume, steps, hosts, room_of, k)
+        if key in wan_cache:
+            return wan_cache[key]
+        idx = np.ix_(hosts, hosts)
+        cost = steps * per_msg[idx] + volume * per_byte[idx]
+        np.fill_diagonal(cost, np.inf)
+        room = np.array(room_of)
+        order = np.argsort(cost, axis=1, kind="stable")
+        ranked = np.take_along_axis(cost, order, axis=1)  # partners, cheapest first
+        partner_room = room[order]
+        values = np.unique(room)
+        steps_v = np.diff(np.concatenate([[0], values]))
+        # at_least[a, j, v]: partners among a's j + 1 cheapest with room ≥ values[v].
+        at_least = np.cumsum(partner_room[:, :, None] >= values[None, None, :], axis=1)
+        top = (steps_v[None, None, :] * np.minimum(k - 1, at_least)).sum(axis=2)
+        enough = (top >= (dp - room)[:, None]) & (np.arange(len(hosts)) >= k - 2)[None, :]
+        enough &= np.isfinite(ranked)
+        first = np.where(enough.any(axis=1), enough.argmax(axis=1), -1)
+        values_a = [ranked[a, j] for a, j in enumerate(first) if j >= 0]
+        wan_cache[key] = float(min(values_a)) if values_a else math.inf
         return wan_cache[key]
 
     def sync(p: int, k: int) -> float:
@@ -146,7 +173,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
             return intra
         if len(hosts_of[p]) < k:
             return math.inf
-        return intra + wan(w.dp_wan_per_leader(p, k), w.dp_wan_steps(k), hosts_of[p], k)
+        return intra + wan(p, k)
 
     kmin = []
     for p in range(pp):
@@ -191,7 +218,9 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         least_sync = max(min(sync(p, k) for k in range(kmin[p], kmax[p] + 1)) for p in range(pp))
         best_b = (m + pp - 1) * slot + least_sync
 
-    bound = min(best_a, best_b)
+    best_c = _sites_per_stage_bound(inst, sync, kmin, kmax, joint, per_stage, caps, fabric)
+
+    bound = max(min(best_a, best_b), best_c)
     if not math.isfinite(bound):
         bound = (m + pp - 1) * joint
     return TimeBound(
@@ -199,4 +228,74 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         crossing_free=best_a,
         crossing=best_b,
         compute=joint,
+        sites_per_stage=best_c,
     )
+
+
+def _sites_per_stage_bound(
+    inst: Instance,
+    sync: Callable[[int, int], float],
+    kmin: list[int],
+    kmax: list[int],
+    joint: float,
+    per_stage: list[float],
+    caps: dict[tuple[int, str], int],
+    fabric: dict[str, float],
+) -> float:
+    """(C) The trade between few sites per stage (cheap sync) and crossings (slow hops).
+
+    Say stage p spans k_p sites. Its sync is at least sync(p, k_p), so D ≥ d :=
+    max_p sync(p, k_p), and every k_p lies in K_p(d) = {k : sync(p, k) ≤ d}. At boundary
+    p, replicas stay in a site only where it holds both stages: at most min(k_p, k_p+1)
+    sites, each keeping at most u_s = min(⌊slots_s / 2⌋, room of p, room of p + 1) (the
+    two stages share its slots). So at least x = dp − (the min(k_p, k_p+1) largest u_s)
+    replicas cross, over at most k_p·k_p+1 pairs of sites: some pair carries
+    ⌈x / (k_p·k_p+1)⌉ of them, and c replicas on a WAN pair take at least α + β·c per
+    micro-batch with α, β the least over pairs (`time_flows.hop_coefficients`); with no
+    crossing, some site still moves ⌈dp / min(k_p, k_p+1)⌉ through its fabric. Boundary p
+    is therefore at least H_p(d), the least of that over k_p ∈ K_p(d), k_p+1 ∈ K_p+1(d),
+    and no placement is faster than min over d of (m + pp − 1)·max(joint compute,
+    max_p(compute_p + H_p(d))) + d, d ranging over the values sync(p, k) (the true d is
+    one of them).
+    """
+    w = inst.workload
+    dp, pp, m = inst.dp, inst.pp, w.micro_batches
+    if pp < 2:
+        return 0.0
+    alpha, beta = hop_coefficients(inst)
+    off = ~np.eye(len(inst.sites), dtype=bool) & np.isfinite(alpha)
+    if not off.any():
+        return 0.0
+    a_min, b_min = float(alpha[off].min()), float(beta[off].min())
+    best_fabric = max(fabric.values())
+    ks = range(1, dp + 1)
+    table = {(p, k): sync(p, k) for p in range(pp) for k in range(kmin[p], kmax[p] + 1)}
+    # H[p][i, j]: least boundary-p hop with k_p = i + 1 sites and k_p+1 = j + 1.
+    hops = []
+    for p in range(pp - 1):
+        keep = sorted(
+            (min(inst.site_slots(s) // 2, caps[(p, s)], caps[(p + 1, s)]) for s in inst.sites),
+            reverse=True,
+        )
+        stays = np.cumsum([0, *keep])  # stays[c]: most replicas staying in c sites
+        h = np.full((dp, dp), np.inf)
+        for i in ks:
+            for j in ks:
+                common = min(i, j)
+                cross = dp - int(stays[min(common, len(keep))])
+                if cross > 0:
+                    h[i - 1, j - 1] = a_min + b_min * math.ceil(cross / (i * j))
+                else:
+                    h[i - 1, j - 1] = w.hop_seconds(None, math.ceil(dp / common), best_fabric)
+        hops.append(h)
+    best = math.inf
+    for d in sorted({v for v in table.values() if math.isfinite(v)}):
+        allowed = [np.array([table.get((p, k), math.inf) <= d for k in ks]) for p in range(pp)]
+        if not all(a.any() for a in allowed):
+            continue
+        slot = joint
+        for p in range(pp - 1):
+            least = float(hops[p][np.ix_(allowed[p], allowed[p + 1])].min())
+            slot = max(slot, per_stage[p] + least)
+        best = min(best, (m + pp - 1) * slot + d)
+    return best
