@@ -71,11 +71,13 @@ class Solved:
     report: SolverReport
 
 
-def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
+def _starting_points(inst: Instance, objective: Objective, spread: bool = True) -> list[Counts]:
     """The baselines and constructive heuristics, best first, as counts with flows.
 
     Each candidate's replicas are re-matched across stages (`complete_flows`), which
-    only removes needless crossings.
+    only removes needless crossings. For the time objective with `spread`, each also gets
+    the flows of `time_flows.balanced_flows` when they are faster, and the clustered
+    blocks of `heuristics.cluster_blocks` join the candidates.
     """
     key = objective_key(objective)
     scored: list[tuple[tuple[float, float], int, Counts]] = []
@@ -86,7 +88,14 @@ def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
         baselines.round_robin,
     ]
     makers += [partial(heuristics.blocks, length=n) for n in heuristics.block_lengths(inst.pp)]
-    hops = hop_coefficients(inst) if objective is Objective.ITERATION_TIME else None
+    if spread and objective is Objective.ITERATION_TIME:
+        makers += [
+            partial(heuristics.cluster_blocks, length=n, near=near)
+            for n in heuristics.block_lengths(inst.pp)
+            if n < inst.pp
+            for near in (True, False)
+        ]
+    hops = hop_coefficients(inst) if spread and objective is Objective.ITERATION_TIME else None
     for i, make in enumerate(makers):
         shards = make(inst)
         if shards is None:
@@ -95,11 +104,11 @@ def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
         score = key(evaluate_shards(inst, realize(inst, counts)))
         if hops is not None:
             # For time, spread the crossing replicas over pairs of sites (time_flows).
-            spread = balanced_flows(inst, counts, hops)
-            if spread is not None:
-                spread_score = key(evaluate_shards(inst, realize(inst, spread)))
-                if spread_score < score:
-                    counts, score = spread, spread_score
+            wide = balanced_flows(inst, counts, hops)
+            if wide is not None:
+                wide_score = key(evaluate_shards(inst, realize(inst, wide)))
+                if wide_score < score:
+                    counts, score = wide, wide_score
         scored.append((score, i, counts))
     return [counts for _, _, counts in sorted(scored, key=lambda t: (t[0], t[1]))]
 
@@ -234,7 +243,7 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     def left() -> float:
         return max(0.05, budget - (time.perf_counter() - start))
 
-    starts = _starting_points(inst, objective)
+    starts = _starting_points(inst, objective, spread=settings.patterns)
     seed = starts[0] if starts else None
     key = objective_key(objective)
 
@@ -307,7 +316,7 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
 
     shards = realize(inst, counts)
     ev = evaluate_shards(inst, shards)
-    if objective is Objective.ITERATION_TIME:
+    if settings.patterns and objective is Objective.ITERATION_TIME:
         # The search's flows may still pile replicas on one pair of sites: spread them.
         spread = balanced_flows(inst, counts)
         if spread is not None:

@@ -218,7 +218,8 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         least_sync = max(min(sync(p, k) for k in range(kmin[p], kmax[p] + 1)) for p in range(pp))
         best_b = (m + pp - 1) * slot + least_sync
 
-    best_c = _sites_per_stage_bound(inst, sync, kmin, kmax, joint, per_stage, caps, fabric)
+    best_c, best_bc = _sites_per_stage_bound(inst, sync, kmin, kmax, joint, per_stage, caps, fabric)
+    best_b = max(best_b, best_bc)  # both hold when some replica crosses
 
     bound = max(min(best_a, best_b), best_c)
     if not math.isfinite(bound):
@@ -241,7 +242,7 @@ def _sites_per_stage_bound(
     per_stage: list[float],
     caps: dict[tuple[int, str], int],
     fabric: dict[str, float],
-) -> float:
+) -> tuple[float, float]:
     """(C) The trade between few sites per stage (cheap sync) and crossings (slow hops).
 
     Say stage p spans k_p sites. Its sync is at least sync(p, k_p), so D ≥ d :=
@@ -257,15 +258,19 @@ def _sites_per_stage_bound(
     and no placement is faster than min over d of (m + pp − 1)·max(joint compute,
     max_p(compute_p + H_p(d))) + d, d ranging over the values sync(p, k) (the true d is
     one of them).
+
+    Returns (C, C_B): C_B is the same bound for the placements in which some replica
+    crosses the WAN at some boundary q, whose hop is then also at least one replica's
+    α + β (case B); the least over q of that is added to the slot.
     """
     w = inst.workload
     dp, pp, m = inst.dp, inst.pp, w.micro_batches
     if pp < 2:
-        return 0.0
+        return 0.0, 0.0
     alpha, beta = hop_coefficients(inst)
     off = ~np.eye(len(inst.sites), dtype=bool) & np.isfinite(alpha)
     if not off.any():
-        return 0.0
+        return 0.0, 0.0
     a_min, b_min = float(alpha[off].min()), float(beta[off].min())
     best_fabric = max(fabric.values())
     ks = range(1, dp + 1)
@@ -288,14 +293,15 @@ def _sites_per_stage_bound(
                 else:
                     h[i - 1, j - 1] = w.hop_seconds(None, math.ceil(dp / common), best_fabric)
         hops.append(h)
-    best = math.inf
+    one_hop = a_min + b_min
+    best, best_crossing = math.inf, math.inf
     for d in sorted({v for v in table.values() if math.isfinite(v)}):
         allowed = [np.array([table.get((p, k), math.inf) <= d for k in ks]) for p in range(pp)]
         if not all(a.any() for a in allowed):
             continue
-        slot = joint
-        for p in range(pp - 1):
-            least = float(hops[p][np.ix_(allowed[p], allowed[p + 1])].min())
-            slot = max(slot, per_stage[p] + least)
+        least = [float(hops[p][np.ix_(allowed[p], allowed[p + 1])].min()) for p in range(pp - 1)]
+        slot = max(joint, *(per_stage[p] + least[p] for p in range(pp - 1)))
+        crossing = min(per_stage[q] + max(least[q], one_hop) for q in range(pp - 1))
         best = min(best, (m + pp - 1) * slot + d)
-    return best
+        best_crossing = min(best_crossing, (m + pp - 1) * max(slot, crossing) + d)
+    return best, best_crossing
