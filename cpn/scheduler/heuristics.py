@@ -12,7 +12,6 @@ model, the batch and the compression, so every L dividing pp is tried, together 
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import numpy as np
@@ -20,6 +19,7 @@ import numpy as np
 from cpn.contracts.plan import ShardPlacement
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.pool import FreeGpus
+from cpn.scheduler.time_flows import hop_coefficients, pair_costs
 
 
 def _by_size(inst: Instance) -> list[str]:
@@ -199,6 +199,7 @@ def cluster_blocks(inst: Instance, length: int, near: bool = True) -> list[Shard
     free = FreeGpus(inst)
     out: list[ShardPlacement] = []
     slots = w.micro_batches + pp - 1
+    per_msg, per_byte = pair_costs(inst)
     previous: list[str] = []  # the sites of the block position before
     for first in range(0, pp, length):
         stages = range(first, first + length)
@@ -209,14 +210,10 @@ def cluster_blocks(inst: Instance, length: int, near: bool = True) -> list[Shard
         n = len(hosts)
         k_guess = max(2, min(n, -(-dp // max(room.values()))))
         volume, steps = w.dp_wan_per_leader(first, k_guess), w.dp_wan_steps(k_guess)
-        cost = np.full((n, n), np.inf)
-        for i, a in enumerate(hosts):
-            for j, b in enumerate(hosts):
-                route = inst.graph.route(a, b)
-                if i == j:
-                    cost[i, j] = 0.0
-                elif route is not None:
-                    cost[i, j] = route.seconds(volume, steps)
+        at = [inst.site_index[s] for s in hosts]
+        idx = np.ix_(at, at)
+        cost = steps * per_msg[idx] + volume * per_byte[idx]
+        np.fill_diagonal(cost, 0.0)
         capacity = np.array([room[s] for s in hosts])
         best: tuple[float, list[int]] | None = None
         for seed in range(n):
@@ -286,15 +283,8 @@ def _arrival_hop(inst: Instance, before: list[str], after: list[str]) -> float:
     """
     if not before:
         return 0.0
-    w = inst.workload
     per_pair = max(1, -(-inst.dp // (len(before) * len(after))))
-    worst = 0.0
-    for b in after:
-        best = math.inf
-        for a in before:
-            route = None if a == b else inst.graph.route(a, b)
-            if a != b and route is None:
-                continue
-            best = min(best, w.hop_seconds(route, per_pair, inst.intra_site_gbps(a)))
-        worst = max(worst, best)
-    return worst
+    alpha, beta = hop_coefficients(inst)
+    idx = np.ix_([inst.site_index[s] for s in before], [inst.site_index[s] for s in after])
+    hop = alpha[idx] + beta[idx] * per_pair
+    return float(hop.min(axis=0).max())

@@ -37,11 +37,10 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
-import numpy.typing as npt
 
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.patterns.classes import site_classes
-from cpn.scheduler.time_flows import hop_coefficients
+from cpn.scheduler.time_flows import hop_coefficients, pair_costs
 
 #: Relative margin taken off the bound for floating-point rounding.
 FLOAT_MARGIN = 1e-9
@@ -101,19 +100,6 @@ def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
     return max(joint, *per_stage), per_stage
 
 
-def _pair_costs(inst: Instance) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Per pair of candidate sites: seconds per message and per byte (inf: no route)."""
-    n = len(inst.sites)
-    per_msg = np.full((n, n), np.inf)
-    per_byte = np.full((n, n), np.inf)
-    for i, a in enumerate(inst.sites):
-        for j, b in enumerate(inst.sites):
-            if i != j and (route := inst.graph.route(a, b)) is not None:
-                per_msg[i, j] = route.seconds(0, 1)
-                per_byte[i, j] = route.seconds(1, 0)
-    return per_msg, per_byte
-
-
 def iteration_time_bound(inst: Instance) -> TimeBound:
     """No placement of `inst` has a predicted iteration time below `.seconds`."""
     w = inst.workload
@@ -121,7 +107,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
     sites = inst.sites
     fabric = {s: inst.intra_site_gbps(s) for s in sites}
     caps = {(p, s): min(dp, inst.site_slots(s, p)) for p in range(pp) for s in sites}
-    per_msg, per_byte = _pair_costs(inst)
+    per_msg, per_byte = pair_costs(inst)
 
     joint, per_stage = _compute_floor(inst)
 

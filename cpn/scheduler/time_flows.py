@@ -57,6 +57,24 @@ def hop_coefficients(
     return alpha, beta
 
 
+def pair_costs(inst: Instance) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Per pair of candidate sites: seconds per message and per byte of its route (inf: no
+    route, or the same site). Computed once per instance (`Instance.cache`)."""
+    cached = inst.cache.get("pair_costs")
+    if cached is not None:
+        return cast(tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]], cached)
+    n = len(inst.sites)
+    per_msg = np.full((n, n), np.inf)
+    per_byte = np.full((n, n), np.inf)
+    for i, a in enumerate(inst.sites):
+        for j, b in enumerate(inst.sites):
+            if i != j and (route := inst.graph.route(a, b)) is not None:
+                per_msg[i, j] = route.seconds(0, 1)
+                per_byte[i, j] = route.seconds(1, 0)
+    inst.cache["pair_costs"] = (per_msg, per_byte)
+    return per_msg, per_byte
+
+
 def _capacities(
     alpha: npt.NDArray[np.float64], beta: npt.NDArray[np.float64], limit: float, most: int
 ) -> npt.NDArray[np.int64]:
