@@ -235,7 +235,9 @@ def _sites_per_stage_bound(
     max_p sync(p, k_p), and every k_p lies in K_p(d) = {k : sync(p, k) ≤ d}. At boundary
     p, replicas stay in a site only where it holds both stages: at most min(k_p, k_p+1)
     sites, each keeping at most u_s = min(⌊slots_s / 2⌋, room of p, room of p + 1) (the
-    two stages share its slots). So at least x = dp − (the min(k_p, k_p+1) largest u_s)
+    two stages share its slots); and a site holding n of stage p keeps at most slots − n
+    for stage p + 1, so the stays are also at most (slots of the k_p roomiest sites that
+    can host p) − dp, and likewise from p + 1. So at least x = dp − (the least of these)
     replicas cross, over at most k_p·k_p+1 pairs of sites: some pair carries
     ⌈x / (k_p·k_p+1)⌉ of them, and c replicas on a WAN pair take at least α + β·c per
     micro-batch with α, β the least over pairs (`time_flows.hop_coefficients`); with no
@@ -263,21 +265,33 @@ def _sites_per_stage_bound(
     table = {(p, k): sync(p, k) for p in range(pp) for k in range(kmin[p], kmax[p] + 1)}
     # H[p][i, j]: least boundary-p hop with k_p = i + 1 sites and k_p+1 = j + 1.
     hops = []
+    # top[p][k]: slots of the k roomiest sites that can host stage p (see the docstring).
+    top = []
+    for p in range(pp):
+        room = sorted((inst.site_slots(s) for s in inst.sites if caps[(p, s)] > 0), reverse=True)
+        top.append(np.cumsum([0, *room]))
     for p in range(pp - 1):
         keep = sorted(
             (min(inst.site_slots(s) // 2, caps[(p, s)], caps[(p + 1, s)]) for s in inst.sites),
             reverse=True,
         )
         stays = np.cumsum([0, *keep])  # stays[c]: most replicas staying in c sites
-        h = np.full((dp, dp), np.inf)
-        for i in ks:
-            for j in ks:
-                common = min(i, j)
-                cross = dp - int(stays[min(common, len(keep))])
-                if cross > 0:
-                    h[i - 1, j - 1] = a_min + b_min * math.ceil(cross / (i * j))
-                else:
-                    h[i - 1, j - 1] = w.hop_seconds(None, math.ceil(dp / common), best_fabric)
+        i = np.arange(1, dp + 1)[:, None]  # k_p
+        j = np.arange(1, dp + 1)[None, :]  # k_p+1
+        common = np.minimum(i, j)
+        most = np.minimum(
+            stays[np.minimum(common, len(keep))],
+            np.minimum(
+                top[p][np.minimum(i, len(top[p]) - 1)] - dp,
+                top[p + 1][np.minimum(j, len(top[p + 1]) - 1)] - dp,
+            ),
+        )
+        cross = dp - np.maximum(0, most)
+        # Inside a site: some site moves ⌈dp / common⌉ replicas through its fabric.
+        local = np.array([w.hop_seconds(None, -(-dp // c), best_fabric) for c in range(1, dp + 1)])
+        h = np.where(
+            cross > 0, a_min + b_min * np.ceil(np.maximum(cross, 0) / (i * j)), local[common - 1]
+        )
         hops.append(h)
     one_hop = a_min + b_min
     best, best_crossing = math.inf, math.inf
