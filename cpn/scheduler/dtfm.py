@@ -56,6 +56,7 @@ from cpn.contracts.plan import ShardPlacement
 from cpn.costmodel import Evaluation, Placement, evaluate
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.realize import evaluate_shards
+from cpn.scheduler.time_flows import hop_coefficients
 
 #: Seconds are matched in integer nanoseconds (the assignment solver takes integers).
 NS = 1e9
@@ -116,19 +117,11 @@ class Decoder:
         self.inst = inst
         self.key = key
         self.devices = devices_of(inst)
-        w = inst.workload
         self.dp, self.pp = inst.dp, inst.pp
         self.site = np.array([d.site for d in self.devices], dtype=np.int64)
-        n = len(inst.sites)
         # One replica's pipeline hop between two sites (DT-FM: delay + activations / bw).
-        hop = np.full((n, n), np.inf)
-        for i, a in enumerate(inst.sites):
-            fabric = inst.intra_site_gbps(a)
-            for j, b in enumerate(inst.sites):
-                route = None if i == j else inst.graph.route(a, b)
-                if i == j or route is not None:
-                    hop[i, j] = w.hop_seconds(route, 1, fabric)
-        self.hop = hop
+        alpha, beta = hop_coefficients(inst)
+        self.hop = alpha + beta
         # fits[q, device]: stage q's memory fits the device's GPUs.
         self.fits = np.array(
             [[inst.fits[q][d.group] for d in self.devices] for q in range(self.pp)], dtype=bool

@@ -187,7 +187,10 @@ def optimise(
     began = time.perf_counter()
     deadline = began + seconds
     # The start's value under the cap `run` adds below (None: no incumbent for LNS).
-    start_units = model.hint(start, objective, cap, 0.5 * seconds) if start is not None else None
+    # The time model's pinned solve can take seconds on dense networks: cap it by the
+    # phase's budget (the compact model's is quick and keeps its deterministic limit).
+    hint_wall = seconds if model.with_time else None
+    start_units = model.hint(start, objective, cap, hint_wall) if start is not None else None
     large = len(model.inst.sites) > FULL_TIME_MODEL_SITES
     first = seconds * (FULL_SOLVE_SHARE if large else 1.0)
     wall = max(0.05, min(2 * first, deadline - time.perf_counter()))
