@@ -410,13 +410,15 @@ class PlacementModel:
         counts: Counts,
         objective: Objective | None = None,
         cap: tuple[Objective, int] | None = None,
+        seconds: float | None = None,
     ) -> int | None:
         """Hint the solver with a placement, completed to every variable of the model.
 
         Counts without flows pin only the shard counts; the pinned solve then chooses the
         flows (best for `objective`). Returns the placement's value of `objective` (default:
         the time if the model has time, else the bytes) in the model's units, or None if it
-        breaks a constraint or the `cap` on the other objective.
+        breaks a constraint or the `cap` on the other objective (or when the pinned solve
+        runs past `seconds`).
 
         A hint of the decision variables alone leaves CP-SAT to complete it by search,
         which took seconds on 256 sites; a complete feasible hint is taken as the first
@@ -435,6 +437,10 @@ class PlacementModel:
         solver = new_solver()
         solver.parameters.num_workers = 1
         solver.parameters.max_deterministic_time = 5.0
+        if seconds is not None:
+            # A wall-clock cap too: on dense networks (a full mesh of 64 sites) the pinned
+            # time model took seconds of a 10 s budget on a loaded machine.
+            solver.parameters.max_time_in_seconds = max(0.01, seconds)
         status = solver.solve(pinned)
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             for i in range(len(m.proto.variables)):
