@@ -77,10 +77,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel
-from cpn.emulated_wan import EmulatedWan, available
 
 from cpn import wire
 from cpn.comm import WanSyncState, wan_sync_hook
+from cpn.emulated_wan import EmulatedWan, available
 from cpn.train.data import BatchSource
 from cpn.train.model import GPTConfig, GPTStage
 from cpn.train.trainer import learning_rate

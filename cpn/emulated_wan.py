@@ -46,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -192,7 +191,7 @@ class EmulatedWan:
         if not 1 <= sites <= 200:
             raise ValueError(f"sites: must be in 1..200, got {sites}")
         parts = subnet.split(".")
-        if len(parts) != 3 or parts[:2] != ["198", "18"] and parts[:2] != ["198", "19"]:
+        if len(parts) != 3 or (parts[:2] != ["198", "18"] and parts[:2] != ["198", "19"]):
             raise ValueError(f"subnet: {subnet!r} is not a /24 inside 198.18.0.0/15")
         if len(ifprefix) > 6:
             raise ValueError(f"ifprefix: {ifprefix!r} is longer than 6 characters")
@@ -292,7 +291,16 @@ class EmulatedWan:
             if rate is None:
                 _run([*tc, "del", "dev", self.interface, "root"], check=False)
             else:
-                _run([*tc, "replace", "dev", self.interface, "root", *tbf_args(rate, self.latency_ms)])
+                _run(
+                    [
+                        *tc,
+                        "replace",
+                        "dev",
+                        self.interface,
+                        "root",
+                        *tbf_args(rate, self.latency_ms),
+                    ]
+                )
         if site is None:
             self.uplink_mbit = mbit
 
