@@ -69,7 +69,14 @@ def demo(
     from cpn.cli.render import fmt_bytes  # noqa: PLC0415
     from cpn.demo import DemoSettings, run_demo, write_html  # noqa: PLC0415
     from cpn.demo.report import print_report  # noqa: PLC0415
+    from cpn.errors import InputError  # noqa: PLC0415
 
+    try:  # before anything starts: a report that cannot be written fails now, not at the end
+        report.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"--report: {report}: cannot make this directory ({exc.strerror})"
+        ) from None
     console = Console()
 
     def stop(signum: int, frame: FrameType | None) -> None:

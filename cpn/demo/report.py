@@ -168,9 +168,13 @@ def print_report(report: DemoReport, console: Console) -> None:
 # ----------------------------------------------------------------------------------- HTML
 
 
+def _tick(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def _svg_line(ys: Sequence[float], title: str, ylabel: str, width: int = 560) -> str:
     """A line chart of `ys` against their index, as inline SVG."""
-    height, left, bottom, top, right = 260, 56, 36, 28, 12
+    height, left, bottom, top, right = 260, 64, 40, 28, 12
     points = [(i, y) for i, y in enumerate(ys) if math.isfinite(y)]
     if len(points) < 2:
         return f"<p>{html.escape(title)}: not enough points</p>"
@@ -190,7 +194,12 @@ def _svg_line(ys: Sequence[float], title: str, ylabel: str, width: int = 560) ->
         _, y = xy(0, v)
         ticks.append(
             f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
-            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>'
+            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick(v)}</text>'
+        )
+    for step in sorted({0, n // 2, n}):
+        x, _ = xy(step, lo)
+        ticks.append(
+            f'<text x="{x:.1f}" y="{height - bottom + 16}" text-anchor="middle">{step}</text>'
         )
     return (
         f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
@@ -305,7 +314,9 @@ def render_html(report: DemoReport) -> str:
         f"WAN bytes for the whole job ({r.steps} steps), log scale",
     )
     loss = _svg_line(r.losses, "Training loss", "loss")
-    step = _svg_line([s * 1000 for s in r.step_seconds], "Step time (slowest rank)", "ms")
+    step = _svg_line(
+        [s * 1000 for s in r.step_seconds], "Step time, slowest rank (step 0: start-up)", "ms"
+    )
     return (
         "<!doctype html><html lang=en><meta charset=utf-8>"
         f"<title>cpn demo: job {html.escape(r.job_id)}</title><style>{_STYLE}</style><body>"

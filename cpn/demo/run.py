@@ -254,16 +254,18 @@ def run_demo(settings: DemoSettings, ui: DemoUI) -> DemoReport:
             if emulate:
                 ui.status("building three sites: network namespaces on a bridge, uplinks "
                           "shaped with tc tbf")  # fmt: skip
-                wan = stack.enter_context(
-                    emulated_wan.EmulatedWan(
-                        len(SITES),
-                        [s.uplink_mbit for s in SITES],
-                        prefix=PREFIX,
-                        subnet=SUBNET,
-                        ifprefix=PREFIX,
-                        host_link=True,
-                    )
+                sites = emulated_wan.EmulatedWan(
+                    len(SITES),
+                    [s.uplink_mbit for s in SITES],
+                    prefix=PREFIX,
+                    subnet=SUBNET,
+                    ifprefix=PREFIX,
+                    host_link=True,
                 )
+                try:
+                    wan = stack.enter_context(sites)
+                except RuntimeError as exc:  # another demo holds the names, or ip/tc failed
+                    raise DemoFailed(f"cannot build the emulated sites: {exc}") from None
             procs = _Procs(workdir)
             stack.callback(procs.stop_all)
             stack.callback(_ignore_interrupts)  # runs first on the way out
