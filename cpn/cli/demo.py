@@ -71,12 +71,9 @@ def demo(
     from cpn.demo.report import print_report  # noqa: PLC0415
     from cpn.errors import InputError  # noqa: PLC0415
 
-    try:  # before anything starts: a report that cannot be written fails now, not at the end
-        report.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(
-            f"--report: {report}: cannot make this directory ({exc.strerror})"
-        ) from None
+    problem = _unwritable(report)
+    if problem:  # before anything starts, not after the demo has run
+        raise InputError(f"--report: {report}: {problem}")
     console = Console()
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -137,3 +134,20 @@ def demo(
     console.print(f"report: {path.resolve()}")
     if not result.ok:
         raise typer.Exit(1)
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why `directory` could not be made or written, or None; it is not made here (an
+    interrupted demo leaves nothing behind)."""
+    import os  # noqa: PLC0415
+
+    if directory.exists():
+        if not directory.is_dir():
+            return "exists and is not a directory"
+        return None if os.access(directory, os.W_OK) else "not writable"
+    parent = directory.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    return None if os.access(parent, os.W_OK) else f"{parent} is not writable"
