@@ -273,6 +273,8 @@ def run_demo(settings: DemoSettings, ui: DemoUI) -> DemoReport:
     finally:
         if made_workdir and not settings.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+        elif settings.keep:
+            ui.status(f"kept {workdir}: the database, every process's log, the workers' files")
 
 
 def _run(

@@ -56,24 +56,28 @@ def _points(driver: WebDriver, chart: str) -> int:
     return int(driver.find_element(By.ID, chart).get_attribute("data-points") or 0)
 
 
-def test_the_page_needs_nothing_from_elsewhere(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def three_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with cluster(tmp_path_factory.mktemp("ui"), {"a": 2, "b": 1, "c": 1}) as c:
+        yield c
+
+
+def test_the_page_needs_nothing_from_elsewhere(three_sites: Cluster) -> None:
     assert UPLOT.exists(), "scripts/setup.sh vendors uPlot from npm into api/ui/vendor/"
-    with cluster(tmp_path, {"a": 1}) as c:
-        page = httpx.get(f"{c.url}/ui").text
-        for ref in ("/ui/static/app.js", "/ui/static/vendor/uPlot.iife.min.js"):
-            assert ref in page
-            assert httpx.get(f"{c.url}{ref}").status_code == 200
-        assert "http://" not in page and "https://" not in page
+    url = three_sites.url
+    page = httpx.get(f"{url}/ui").text
+    for ref in ("/ui/static/app.js", "/ui/static/style.css", "/ui/static/vendor/uPlot.iife.min.js"):
+        assert ref in page
+        assert httpx.get(f"{url}{ref}").status_code == 200
+    assert "http://" not in page and "https://" not in page
+    script = httpx.get(f"{url}/ui/static/app.js").text
+    assert "innerHTML" not in script  # server values go in as text, never as markup
 
 
 def test_dashboard_shows_sites_links_and_a_live_loss_chart(
-    tmp_path: Path, browser: WebDriver
+    three_sites: Cluster, tmp_path: Path, browser: WebDriver
 ) -> None:
-    with cluster(tmp_path, {"a": 2, "b": 1, "c": 1}) as c:
-        _run_dashboard(c, tmp_path, browser)
-
-
-def _run_dashboard(c: Cluster, tmp_path: Path, browser: WebDriver) -> None:
+    c = three_sites
     key = make_key(c.db_url, "viewer")
     client = c.client(key)
     job = client.submit(tiny_job("dash", dp=2, pp=2, steps=100_000))
