@@ -28,7 +28,8 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
         install="apt-get install -y -q --no-install-recommends chromium chromium-driver"
         # A fresh machine may not have the package lists yet.
         DEBIAN_FRONTEND=noninteractive $install >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $install >/dev/null; }
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $install >/dev/null; } \
+            || echo "setup: WARNING: could not install chromium (the dashboard's browser test needs it)"
     fi
 fi
 
@@ -39,16 +40,20 @@ VENDOR=api/ui/vendor
 if [ "$(cat "$VENDOR/VERSION" 2>/dev/null)" != "$UPLOT" ]; then
     if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing npm (to fetch the dashboard's chart library)"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends npm >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends npm >/dev/null || true
     fi
-    echo "setup: vendoring uPlot $UPLOT (npm) into $VENDOR"
-    mkdir -p build "$VENDOR"
-    (cd build && npm pack --silent "uplot@$UPLOT" >/dev/null)
-    tar -xzf "build/uplot-$UPLOT.tgz" -C build \
-        package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE
-    cp build/package/dist/uPlot.iife.min.js build/package/dist/uPlot.min.css "$VENDOR/"
-    cp build/package/LICENSE "$VENDOR/uPlot.LICENSE"
-    echo "$UPLOT" > "$VENDOR/VERSION"
+    mkdir -p build
+    if command -v npm >/dev/null 2>&1 && (cd build && npm pack --silent "uplot@$UPLOT" >/dev/null); then
+        echo "setup: vendored uPlot $UPLOT (npm) into $VENDOR"
+        mkdir -p "$VENDOR"
+        tar -xzf "build/uplot-$UPLOT.tgz" -C build \
+            package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE
+        cp build/package/dist/uPlot.iife.min.js build/package/dist/uPlot.min.css "$VENDOR/"
+        cp build/package/LICENSE "$VENDOR/uPlot.LICENSE"
+        echo "$UPLOT" > "$VENDOR/VERSION"
+    else
+        echo "setup: WARNING: no uPlot (needs npm): the dashboard at /ui shows no charts"
+    fi
 fi
 
 if command -v pg_ctlcluster >/dev/null 2>&1 && command -v pg_isready >/dev/null 2>&1; then
