@@ -118,7 +118,7 @@ class _Procs:
 
     workdir: Path
     started: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
-    finite: set[str] = field(default_factory=set)  # may end on their own
+    finite: set[str] = field(default_factory=set)  # may end on their own (with 0)
 
     def start(
         self,
@@ -126,7 +126,7 @@ class _Procs:
         argv: list[str],
         env: dict[str, str] | None = None,
         *,
-        stoppable: bool = False,
+        finite: bool = False,
     ) -> None:
         with (self.workdir / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(
@@ -140,7 +140,7 @@ class _Procs:
                 start_new_session=True,
             )
         self.started.append((name, proc))
-        if stoppable:
+        if finite:
             self.finite.add(name)
 
     def pop(self, name: str) -> subprocess.Popen[bytes]:
@@ -425,7 +425,7 @@ class _DdpBaseline:
         argv = [*CPN, "train", "--plan", str(plan_path), "--job", str(job_path),
                 "--workdir", str(self.where / "run"), "--dp-sync", "flat",
                 "--stop-after", str(self.settings.ddp_steps)]  # fmt: skip
-        self.procs.start(self.name, argv, stoppable=True)
+        self.procs.start(self.name, argv, finite=True)
         self.started = True
 
     def result(self) -> float:
