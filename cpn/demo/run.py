@@ -386,7 +386,13 @@ def _follow(
     began = time.monotonic()
     while True:
         procs.check()
-        job = client.job(job_id)
+        try:
+            job = client.job(job_id)
+        except ApiError:
+            # A process that died explains a refused request better than the request does.
+            time.sleep(1)
+            procs.check()
+            raise
         if job.plan is not None and not baseline.started:
             # The baseline needs only the plan: it starts now, beside the job, and the
             # workers of both start up together (most of a short run is start-up).

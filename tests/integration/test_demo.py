@@ -1,5 +1,5 @@
 """`cpn demo` run short, as a user runs it: on loopback, in network namespaces with
-rate-limited uplinks (as root), and interrupted with SIGINT mid-run. Each run checks the
+rate-limited uplinks (as root), interrupted with SIGINT mid-run, and failing mid-run. Each run checks the
 report's claims (WAN bytes ≥ 100× below DDP's, predicted == measured, the loss going
 down) and that nothing it started is left: no process, namespace, veth, bridge or qdisc
 (the qdiscs and the bridge live in the namespaces and go with them)."""
@@ -97,7 +97,9 @@ def test_demo_in_network_namespaces(tmp_path: Path) -> None:
         assert link["bandwidth_mbit"] < 1.3 * max(uplink[a], uplink[b]), link
 
 
-def test_sigint_mid_run_leaves_nothing(tmp_path: Path) -> None:
+def _start_long_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
+    """A demo whose job would train for ever, once its workers run (in its namespaces
+    when they can be made); its output lines, as they come."""
     work = tmp_path / "work"
     proc = subprocess.Popen(
         [*CPN, "demo", "--steps", "100000", "--report", str(tmp_path / "report"),
@@ -120,18 +122,52 @@ def test_sigint_mid_run_leaves_nothing(tmp_path: Path) -> None:
             time.sleep(0.2)
         if EMULATION:
             assert leftovers(), "the demo should be running in its namespaces"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 130
+    except BaseException:
+        _end(proc, work)
+        raise
+    return proc, lines, reader
+
+
+def _end(proc: subprocess.Popen[str], work: Path) -> None:
+    """After a failed test: leave nothing for the next one."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for line in _processes_mentioning(str(work)):
+        os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    remove_stale(PREFIX, PREFIX)
+
+
+def _finished(
+    proc: subprocess.Popen[str], lines: list[str], reader: threading.Thread, tmp_path: Path
+) -> tuple[int, str]:
+    work = tmp_path / "work"
+    try:
+        code = proc.wait(60)
     finally:
-        if proc.poll() is None:  # the test failed: leave nothing for the next one
-            proc.kill()
-            proc.wait()
-            for line in _processes_mentioning(str(work)):
-                os.kill(int(line.split(":")[0]), signal.SIGKILL)
-            remove_stale(PREFIX, PREFIX)
+        _end(proc, work)
         reader.join(10)
     out = "".join(lines)
-    assert "interrupted" in out and "Traceback" not in out, out
+    assert "Traceback" not in out, out
     assert _processes_mentioning(str(work)) == []
     assert leftovers() == []
-    assert not (tmp_path / "report").exists()
+    assert not (tmp_path / "report").exists()  # nothing half-written
+    return code, out
+
+
+def test_sigint_mid_run_leaves_nothing(tmp_path: Path) -> None:
+    proc, lines, reader = _start_long_demo(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    code, out = _finished(proc, lines, reader, tmp_path)
+    assert code == 130 and "interrupted" in out, out
+
+
+def test_failure_mid_run_leaves_nothing(tmp_path: Path) -> None:
+    """The control plane dies under the running job: the demo fails in one message that
+    names it, and removes everything else it started."""
+    proc, lines, reader = _start_long_demo(tmp_path)
+    serve = [p for p in _processes_mentioning(str(tmp_path / "work")) if " serve " in p]
+    assert len(serve) == 1, serve
+    os.kill(int(serve[0].split(":")[0]), signal.SIGKILL)
+    code, out = _finished(proc, lines, reader, tmp_path)
+    assert code == 1 and "error: serve exited with -9" in out, out
