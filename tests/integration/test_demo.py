@@ -1,8 +1,8 @@
 """`cpn demo` run short, as a user runs it: on loopback, in network namespaces with
-rate-limited uplinks (as root), interrupted with SIGINT mid-run, and failing mid-run. Each run checks the
-report's claims (WAN bytes ≥ 100× below DDP's, predicted == measured, the loss going
-down) and that nothing it started is left: no process, namespace, veth, bridge or qdisc
-(the qdiscs and the bridge live in the namespaces and go with them)."""
+rate-limited uplinks (as root), interrupted with SIGINT mid-run, and failing mid-run.
+Each run checks the report's claims (WAN bytes ≥ 100× below DDP's, predicted == measured,
+the loss going down) and that nothing it started is left: no process, namespace, veth,
+bridge or qdisc (the qdiscs and the bridge live in the namespaces and go with them)."""
 
 from __future__ import annotations
 
