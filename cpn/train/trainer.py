@@ -81,7 +81,7 @@ def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: Tra
             f"plan: layout dp={par.dp} tp={par.tp} pp={par.pp} differs from the job's "
             f"dp={p.dp} tp={p.tp} pp={p.pp}"
         )
-    problem = layout_problem(job.model, job.train, par)
+    problem = layout_problem(job.model, job.train, par) or plan.derived_problem(job)
     if problem:
         raise InputError(f"plan: {problem}")
     if world_size != par.world_size:

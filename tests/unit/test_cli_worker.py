@@ -150,6 +150,10 @@ def _unbind(doc: dict[str, Any]) -> None:
     doc.pop("binding")
 
 
+def _micro_batches(doc: dict[str, Any]) -> None:
+    doc["micro_batches"] = 1_000_000_000
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -157,8 +161,9 @@ def _unbind(doc: dict[str, Any]) -> None:
         (_unknown_site, "site 'atlantis', which is not in the topology"),
         (_drop_a_shard, "need exactly one entry per (replica, stage)"),
         (_unbind, "binding: missing"),
+        (_micro_batches, "micro_batches: 1000000000, but the job's batch gives"),
     ],
-    ids=["shared-gpu", "unknown-site", "missing-shard", "unbound"],
+    ids=["shared-gpu", "unknown-site", "missing-shard", "unbound", "micro-batches"],
 )
 def test_cpn_train_refuses_a_bad_plan_with_one_line(
     tmp_path: Path, edit: Callable[[dict[str, Any]], None], message: str
