@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel, ConfigDict, Field
 
 # torch.distributed.checkpoint's own fsspec storage (it has no public import path yet).
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from cpn.contracts.job import JobSpec
+from cpn.contracts.job import JobSpec, ParallelSpec
+from cpn.contracts.loading import validate
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
 
@@ -39,14 +40,20 @@ INFO = "cpn.json"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What a checkpoint holds, written beside it (`cpn.json`)."""
+class CheckpointInfo(BaseModel):
+    """What a checkpoint holds, written beside it (`cpn.json`).
 
-    step: int
+    Validated when read (strict types), so a hand-edited or damaged cpn.json is one line
+    naming the file and the field before any worker starts, not a TypeError inside one.
+    Unknown fields are ignored: a newer cpn may add some.
+    """
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+
+    step: int = Field(ge=0)
     job: str
     model: dict[str, int]  # the job's model spec: a checkpoint fits only the same model
-    parallel: dict[str, int]  # the layout that wrote it (dp, tp, pp)
+    parallel: ParallelSpec  # the layout that wrote it (dp, tp, pp)
     sites: list[str]  # the sites of the plan that wrote it
     plan_digest: str
     compression: str  # the job's WAN compression ("none", "fp16", "topk")
@@ -57,7 +64,7 @@ class CheckpointInfo:
             step=step,
             job=job.name,
             model=job.model.model_dump(),
-            parallel=plan.parallel.model_dump(),
+            parallel=plan.parallel,
             sites=plan.sites_used(),
             plan_digest=plan.digest(),
             compression=job.compression.wan.value,
@@ -95,7 +102,7 @@ class CheckpointStore:
     def mark_complete(self, info: CheckpointInfo) -> None:
         """Describe the step and mark it whole (rank 0, once every rank's part is written)."""
         base = self.step_path(info.step)
-        self.fs.pipe_file(f"{base}/{INFO}", json.dumps(asdict(info), indent=1).encode())
+        self.fs.pipe_file(f"{base}/{INFO}", info.model_dump_json(indent=1).encode())
         self.fs.pipe_file(f"{base}/{MARKER}", f"{info.step}\n".encode())
 
     # -- reading ---------------------------------------------------------------------------
@@ -126,11 +133,14 @@ class CheckpointStore:
         path = f"{self.step_path(step)}/{INFO}"
         try:
             doc: Any = json.loads(self.fs.cat_file(path))
-            return CheckpointInfo(**doc)
         except FileNotFoundError:
             raise InputError(f"checkpoint {path}: missing (an incomplete checkpoint?)") from None
-        except (OSError, ValueError, TypeError) as exc:
-            raise InputError(f"checkpoint {path}: unreadable ({exc})") from None
+        except (OSError, ValueError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"checkpoint {path}: unreadable ({first})") from None
+        if not isinstance(doc, dict):
+            raise InputError(f"checkpoint {path}: not a JSON object")
+        return validate(CheckpointInfo, doc, f"checkpoint {path}")
 
     def check_files(self, step: int) -> None:
         """Every data file the index names is there and long enough (a copy cut short,

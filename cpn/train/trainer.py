@@ -229,7 +229,7 @@ class Trainer:
         p = info.parallel
         log.info(
             "resumed from step %d of %s (written by dp=%d tp=%d pp=%d)",
-            resumed.step, self.store, p["dp"], p["tp"], p["pp"],
+            resumed.step, self.store, p.dp, p.tp, p.pp,
         )  # fmt: skip
         if resumed.flushed_sites:
             log.warning(
