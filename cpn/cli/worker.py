@@ -179,7 +179,7 @@ def worker(
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # noqa: PLC0415
 
     from cpn.comm import CommError  # noqa: PLC0415
-    from cpn.train.launcher import MERGE_OUTPUT_ENV  # noqa: PLC0415
+    from cpn.train.launcher import MERGE_OUTPUT_ENV, PLAN_RANKS_ENV  # noqa: PLC0415
     from cpn.train.trainer import Trainer, check_launch, world_from_env  # noqa: PLC0415
 
     if os.environ.get(MERGE_OUTPUT_ENV) == "1":
@@ -192,7 +192,8 @@ def worker(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
         device, sync_checkpoints, path,
     )  # fmt: skip
-    check_launch(spec_plan, spec_job, world, me, opts)
+    # A worker of cpn's launcher: the launcher read the checkpoint against its checksums.
+    check_launch(spec_plan, spec_job, world, me, opts, checksums=PLAN_RANKS_ENV not in os.environ)
     try:
         Trainer(spec_plan, spec_job, me, opts).run()
     except CommError as exc:
@@ -297,8 +298,8 @@ def launch(
         device, sync_checkpoints,
     )  # fmt: skip
     world = spec_plan.parallel.world_size
-    for r in mine:
-        check_launch(spec_plan, spec_job, world, r, opts)
+    for i, r in enumerate(mine):
+        check_launch(spec_plan, spec_job, world, r, opts, checksums=i == 0)
     spec = plan_launch(plan, job, opts, workdir, mine, **where)
     _run_and_report(spec, spec.run_dir / "result.json")
 

@@ -69,8 +69,18 @@ class TrainOptions:
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None: cuda:LOCAL_RANK if any, else cpu
 
 
-def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: TrainOptions) -> None:
-    """Everything that can be wrong with a launch, before any process group exists."""
+def check_launch(
+    plan: Plan,
+    job: JobSpec,
+    world_size: int,
+    rank: int,
+    opts: TrainOptions,
+    *,
+    checksums: bool = True,
+) -> None:
+    """Everything that can be wrong with a launch, before any process group exists.
+    `checksums=False` skips reading the checkpoint's files against their CRC-32s: for
+    the workers of a launcher that has just done so (it is the costly part)."""
     par = plan.parallel
     problem = plan.problem_with(job)
     if problem:
@@ -96,7 +106,7 @@ def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: Tra
     if opts.resume:
         if opts.checkpoint_store is None:
             raise InputError("--resume: needs --checkpoint-store")
-        check_resumable(CheckpointStore(opts.checkpoint_store), job)
+        check_resumable(CheckpointStore(opts.checkpoint_store), job, checksums=checksums)
 
 
 def choose_device(requested: str | None, local_rank: int) -> torch.device:
@@ -223,8 +233,15 @@ class Trainer:
         """Load the last complete checkpoint if asked to; the step to start from."""
         if not self.opts.resume or self.store is None:
             return 0
-        step = check_resumable(self.store, self.job)
+        # The files were checked against their CRC-32s before this worker started.
+        step = check_resumable(self.store, self.job, checksums=False)
         info = self.store.info(step)
+        if info.files is None:
+            log.warning(
+                "checkpoint %s has no checksums (written before cpn recorded them): "
+                "its files were checked for size only",
+                self.store.step_path(step),
+            )
         resumed = self.snapshot.load(self.store, step)
         p = info.parallel
         log.info(
