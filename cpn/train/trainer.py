@@ -103,10 +103,13 @@ def check_launch(
     if opts.dp_sync not in DP_SYNCS:
         raise InputError(f"--dp-sync: {opts.dp_sync!r} is not one of {', '.join(DP_SYNCS)}")
     choose_device(opts.device, 0)
+    # Built here even when not resuming: a store whose filesystem is not installed (s3://
+    # without s3fs) is one line now, not a worker failing at its first checkpoint.
+    store = None if opts.checkpoint_store is None else CheckpointStore(opts.checkpoint_store)
     if opts.resume:
-        if opts.checkpoint_store is None:
+        if store is None:
             raise InputError("--resume: needs --checkpoint-store")
-        check_resumable(CheckpointStore(opts.checkpoint_store), job, checksums=checksums)
+        check_resumable(store, job, checksums=checksums)
 
 
 def choose_device(requested: str | None, local_rank: int) -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -198,3 +199,21 @@ def test_metrics_to_stdout_one_json_line_per_step(tmp_path: Path) -> None:
         r["loss"] > 0 and set(r["bytes"]) == {"intra_node", "intra_site", "wan"} for r in records
     )
     assert {"compute", "pipeline", "dp_sync", "step"} == set(records[0]["seconds"])
+
+
+@pytest.mark.parametrize(("url", "package"), [("s3://bucket/ckpt", "s3fs"), ("gs://b/c", "gcsfs")])
+def test_a_store_whose_filesystem_is_not_installed_is_refused_up_front(
+    tmp_path: Path, url: str, package: str
+) -> None:
+    """Not only on --resume: a worker would otherwise fail at its first checkpoint."""
+    assert importlib.util.find_spec(package) is None, f"{package} is installed here"
+    plan, spec = files(tmp_path)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "4"}
+    start = time.monotonic()
+    out = worker(
+        tmp_path, "--plan", plan, "--job", spec, "--rank", "0",
+        "--checkpoint-store", url, "--checkpoint-every", "1", env=env,
+    )  # fmt: skip
+    line = one_line_error(out)
+    assert line.startswith(f"error: --checkpoint-store: {url}: ") and package in line
+    assert time.monotonic() - start < 30, "no process group was waited on"
