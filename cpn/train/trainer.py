@@ -77,8 +77,9 @@ def check_launch(
     opts: TrainOptions,
     *,
     checksums: bool = True,
-) -> None:
-    """Everything that can be wrong with a launch, before any process group exists.
+) -> int | None:
+    """Everything that can be wrong with a launch, before any process group exists; the
+    step a resumed run starts from (None when it does not resume).
     `checksums=False` skips reading the checkpoint's files against their CRC-32s: for
     the workers of a launcher that has just done so (it is the costly part)."""
     par = plan.parallel
@@ -106,10 +107,30 @@ def check_launch(
     # Built here even when not resuming: a store whose filesystem is not installed (s3://
     # without s3fs) is one line now, not a worker failing at its first checkpoint.
     store = None if opts.checkpoint_store is None else CheckpointStore(opts.checkpoint_store)
-    if opts.resume:
-        if store is None:
-            raise InputError("--resume: needs --checkpoint-store")
-        check_resumable(store, job, checksums=checksums)
+    if not opts.resume:
+        return None
+    if store is None:
+        raise InputError("--resume: needs --checkpoint-store")
+    return check_resumable(store, job, checksums=checksums)
+
+
+def nothing_to_train(job: JobSpec, opts: TrainOptions, resume_step: int | None) -> str | None:
+    """What to tell the user when the checkpoint a run resumes from is already at (or past)
+    the step it would stop at — the run has nothing to do and ends with status 0, since
+    the training it was asked for is done — else None."""
+    if resume_step is None:
+        return None
+    total = job.train.steps
+    end = total if opts.stop_after is None else min(total, opts.stop_after)
+    if resume_step < end:
+        return None
+    where = f"checkpoint step {resume_step} in {opts.checkpoint_store}"
+    if end < total:
+        return (
+            f"nothing to train: already trained to step {resume_step} of {total}, "
+            f"--stop-after is {opts.stop_after} ({where})"
+        )
+    return f"nothing to train: already trained to step {resume_step} of {total} ({where})"
 
 
 def choose_device(requested: str | None, local_rank: int) -> torch.device:

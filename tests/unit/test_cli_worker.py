@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
+from cpn.contracts import load_job
 from cpn.scheduler import SolverSettings, plan_job
 from tests.factories import job, site, topology
 from tests.processes import free_port
+from tests.unit.test_checkpoint_store import write_checkpoint
 
 
 def worker(
@@ -217,3 +219,41 @@ def test_a_store_whose_filesystem_is_not_installed_is_refused_up_front(
     line = one_line_error(out)
     assert line.startswith(f"error: --checkpoint-store: {url}: ") and package in line
     assert time.monotonic() - start < 30, "no process group was waited on"
+
+
+def _finished_run(tmp: Path, step: int) -> tuple[str, str, str]:
+    """A plan, its job (10 steps) and a store whose last checkpoint is at `step`."""
+    plan, spec = files(tmp)
+    store = write_checkpoint(tmp / "store", step, load_job(spec))
+    return plan, spec, store.url
+
+
+def test_resuming_a_finished_run_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    plan, spec, store = _finished_run(tmp_path, 10)
+    work = tmp_path / "work"
+    base = ["--plan", plan, "--job", spec, "--resume", "--checkpoint-store", store]
+    out = cli("train", *base, "--workdir", str(work))
+    assert out.returncode == 0, out.stderr
+    want = f"nothing to train: already trained to step 10 of 10 (checkpoint step 10 in {store})"
+    assert out.stderr.strip() == want
+    assert not list(work.glob("rank-*")), "no worker was started"
+    # What a site agent runs: the same line, and a result that says it is done.
+    out = cli("launch", *base, "--ranks", "0,1", "--rdzv-endpoint", "127.0.0.1:0",
+              "--workdir", str(work))  # fmt: skip
+    assert (out.returncode, out.stderr.strip()) == (0, want)
+    assert json.loads((work / "result.json").read_text()) == {"ok": True, "trained": 0}
+    assert not list(work.glob("rank-*"))
+
+
+def test_resuming_past_stop_after_says_so(tmp_path: Path) -> None:
+    plan, spec, store = _finished_run(tmp_path, 6)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "4"}
+    out = worker(
+        tmp_path, "--plan", plan, "--job", spec, "--rank", "1", "--resume",
+        "--checkpoint-store", store, "--stop-after", "6", env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == (
+        "nothing to train: already trained to step 6 of 10, --stop-after is 6 "
+        f"(checkpoint step 6 in {store})"
+    )
