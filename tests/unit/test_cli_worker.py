@@ -204,21 +204,24 @@ def test_metrics_to_stdout_one_json_line_per_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("url", "package"), [("s3://bucket/ckpt", "s3fs"), ("gs://b/c", "gcsfs")])
-def test_a_store_whose_filesystem_is_not_installed_is_refused_up_front(
+def test_a_store_whose_filesystem_is_not_installed_is_refused_before_any_worker(
     tmp_path: Path, url: str, package: str
 ) -> None:
-    """Not only on --resume: a worker would otherwise fail at its first checkpoint."""
+    """Not only on --resume: the launcher's workers would otherwise fail one by one."""
     assert importlib.util.find_spec(package) is None, f"{package} is installed here"
     plan, spec = files(tmp_path)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "4"}
+    work = tmp_path / "work"
+    store = ["--checkpoint-store", url, "--checkpoint-every", "1"]
     start = time.monotonic()
-    out = worker(
-        tmp_path, "--plan", plan, "--job", spec, "--rank", "0",
-        "--checkpoint-store", url, "--checkpoint-every", "1", env=env,
-    )  # fmt: skip
-    line = one_line_error(out)
+    line = one_line_error(
+        cli("train", "--plan", plan, "--job", spec, *store, "--workdir", str(work))
+    )
     assert line.startswith(f"error: --checkpoint-store: {url}: ") and package in line
-    assert time.monotonic() - start < 30, "no process group was waited on"
+    out = cli("launch", "--plan", plan, "--job", spec, *store, "--workdir", str(work),
+              "--ranks", "0,1", "--rdzv-endpoint", "127.0.0.1:0")  # fmt: skip
+    assert one_line_error(out) == line
+    assert time.monotonic() - start < 60, "no worker was waited on"
+    assert not work.exists(), "no worker was started"
 
 
 def _finished_run(tmp: Path, step: int) -> tuple[str, str, str]:
