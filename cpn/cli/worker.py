@@ -179,8 +179,13 @@ def worker(
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # noqa: PLC0415
 
     from cpn.comm import CommError  # noqa: PLC0415
-    from cpn.train.launcher import MERGE_OUTPUT_ENV  # noqa: PLC0415
-    from cpn.train.trainer import Trainer, check_launch, world_from_env  # noqa: PLC0415
+    from cpn.train.launcher import MERGE_OUTPUT_ENV, PLAN_RANKS_ENV  # noqa: PLC0415
+    from cpn.train.trainer import (  # noqa: PLC0415
+        Trainer,
+        check_launch,
+        nothing_to_train,
+        world_from_env,
+    )
 
     if os.environ.get(MERGE_OUTPUT_ENV) == "1":
         os.dup2(2, 1)  # print() and log lines in one file, in order
@@ -192,7 +197,14 @@ def worker(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
         device, sync_checkpoints, path,
     )  # fmt: skip
-    check_launch(spec_plan, spec_job, world, me, opts)
+    # A worker of cpn's launcher: the launcher read the checkpoint against its checksums.
+    start = check_launch(
+        spec_plan, spec_job, world, me, opts, checksums=PLAN_RANKS_ENV not in os.environ
+    )
+    done = nothing_to_train(spec_job, opts, start)
+    if done:
+        typer.echo(done, err=True)
+        return
     try:
         Trainer(spec_plan, spec_job, me, opts).run()
     except CommError as exc:
@@ -258,7 +270,7 @@ def launch(
 
     from cpn.errors import InputError  # noqa: PLC0415
     from cpn.train.launcher import Launch, RunFiles, plan_launch  # noqa: PLC0415
-    from cpn.train.trainer import check_launch  # noqa: PLC0415
+    from cpn.train.trainer import check_launch, nothing_to_train  # noqa: PLC0415
 
     mine = _ranks(ranks)
     where: dict[str, Any] = {
@@ -297,8 +309,16 @@ def launch(
         device, sync_checkpoints,
     )  # fmt: skip
     world = spec_plan.parallel.world_size
-    for r in mine:
-        check_launch(spec_plan, spec_job, world, r, opts)
+    starts = [
+        check_launch(spec_plan, spec_job, world, r, opts, checksums=i == 0)
+        for i, r in enumerate(mine)
+    ]
+    done = nothing_to_train(spec_job, opts, starts[0])
+    if done:
+        typer.echo(done, err=True)
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "result.json").write_text(json.dumps({"ok": True, "trained": 0}) + "\n")
+        return
     spec = plan_launch(plan, job, opts, workdir, mine, **where)
     _run_and_report(spec, spec.run_dir / "result.json")
 
@@ -358,7 +378,7 @@ def train(
     from cpn.cli.render import fmt_bytes  # noqa: PLC0415
     from cpn.train.launcher import plan_launch  # noqa: PLC0415
     from cpn.train.report import summarise  # noqa: PLC0415
-    from cpn.train.trainer import check_launch  # noqa: PLC0415
+    from cpn.train.trainer import check_launch, nothing_to_train  # noqa: PLC0415
 
     spec_plan, spec_job = _load(plan, job)
     opts = _options(
@@ -366,7 +386,10 @@ def train(
         device, sync_checkpoints,
     )  # fmt: skip
     world = spec_plan.parallel.world_size
-    check_launch(spec_plan, spec_job, world, 0, opts)
+    done = nothing_to_train(spec_job, opts, check_launch(spec_plan, spec_job, world, 0, opts))
+    if done:
+        typer.echo(done, err=True)
+        return
     spec = plan_launch(plan, job, opts, workdir, range(world))
     total = min(spec_job.train.steps, stop_after or spec_job.train.steps)
     reporter = (spec_plan.parallel.pp - 1) * spec_plan.parallel.dp * spec_plan.parallel.tp

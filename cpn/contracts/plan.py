@@ -219,6 +219,30 @@ class Plan(_Model):
             )
         return None
 
+    def derived_problem(self, job: JobSpec) -> str | None:
+        """Why the fields the scheduler derived from `job` no longer say what it says, as
+        'field: reason', or None (check after the layout fits the job). Needed because
+        the binding's digest covers the job, not the plan's own copy of what follows from
+        it: a hand-edited `micro_batches` would otherwise change how much each step
+        trains."""
+        train, par = job.train, self.parallel
+        per_step = par.dp * train.micro_batch
+        if train.global_batch % per_step == 0:  # else layout_problem says why
+            want = train.global_batch // per_step
+            if self.micro_batches != want:
+                return (
+                    f"micro_batches: {self.micro_batches}, but the job's batch gives "
+                    f"global_batch / (dp × micro_batch) = {train.global_batch} / "
+                    f"({par.dp} × {train.micro_batch}) = {want}"
+                )
+        if self.compression != job.compression:
+            mine, theirs = (
+                c.model_dump(mode="json", exclude_none=True)
+                for c in (self.compression, job.compression)
+            )
+            return f"compression: {mine}, but the job says {theirs}"
+        return None
+
     def shard(self, replica: int, stage: int) -> ShardPlacement:
         for s in self.shards:
             if s.replica == replica and s.stage == stage:

@@ -69,8 +69,19 @@ class TrainOptions:
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None: cuda:LOCAL_RANK if any, else cpu
 
 
-def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: TrainOptions) -> None:
-    """Everything that can be wrong with a launch, before any process group exists."""
+def check_launch(
+    plan: Plan,
+    job: JobSpec,
+    world_size: int,
+    rank: int,
+    opts: TrainOptions,
+    *,
+    checksums: bool = True,
+) -> int | None:
+    """Everything that can be wrong with a launch, before any process group exists; the
+    step a resumed run starts from (None when it does not resume).
+    `checksums=False` skips reading the checkpoint's files against their CRC-32s: for
+    the workers of a launcher that has just done so (it is the costly part)."""
     par = plan.parallel
     problem = plan.problem_with(job)
     if problem:
@@ -81,7 +92,7 @@ def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: Tra
             f"plan: layout dp={par.dp} tp={par.tp} pp={par.pp} differs from the job's "
             f"dp={p.dp} tp={p.tp} pp={p.pp}"
         )
-    problem = layout_problem(job.model, job.train, par)
+    problem = layout_problem(job.model, job.train, par) or plan.derived_problem(job)
     if problem:
         raise InputError(f"plan: {problem}")
     if world_size != par.world_size:
@@ -93,10 +104,33 @@ def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: Tra
     if opts.dp_sync not in DP_SYNCS:
         raise InputError(f"--dp-sync: {opts.dp_sync!r} is not one of {', '.join(DP_SYNCS)}")
     choose_device(opts.device, 0)
-    if opts.resume:
-        if opts.checkpoint_store is None:
-            raise InputError("--resume: needs --checkpoint-store")
-        check_resumable(CheckpointStore(opts.checkpoint_store), job)
+    # Built here even when not resuming: a store whose filesystem is not installed (s3://
+    # without s3fs) is one line now, not a worker failing at its first checkpoint.
+    store = None if opts.checkpoint_store is None else CheckpointStore(opts.checkpoint_store)
+    if not opts.resume:
+        return None
+    if store is None:
+        raise InputError("--resume: needs --checkpoint-store")
+    return check_resumable(store, job, checksums=checksums)
+
+
+def nothing_to_train(job: JobSpec, opts: TrainOptions, resume_step: int | None) -> str | None:
+    """What to tell the user when the checkpoint a run resumes from is already at (or past)
+    the step it would stop at — the run has nothing to do and ends with status 0, since
+    the training it was asked for is done — else None."""
+    if resume_step is None:
+        return None
+    total = job.train.steps
+    end = total if opts.stop_after is None else min(total, opts.stop_after)
+    if resume_step < end:
+        return None
+    where = f"checkpoint step {resume_step} in {opts.checkpoint_store}"
+    if end < total:
+        return (
+            f"nothing to train: already trained to step {resume_step} of {total}, "
+            f"--stop-after is {opts.stop_after} ({where})"
+        )
+    return f"nothing to train: already trained to step {resume_step} of {total} ({where})"
 
 
 def choose_device(requested: str | None, local_rank: int) -> torch.device:
@@ -223,13 +257,20 @@ class Trainer:
         """Load the last complete checkpoint if asked to; the step to start from."""
         if not self.opts.resume or self.store is None:
             return 0
-        step = check_resumable(self.store, self.job)
+        # The files were checked against their CRC-32s before this worker started.
+        step = check_resumable(self.store, self.job, checksums=False)
         info = self.store.info(step)
+        if info.files is None:
+            log.warning(
+                "checkpoint %s has no checksums (written before cpn recorded them): "
+                "its files were checked for size only",
+                self.store.step_path(step),
+            )
         resumed = self.snapshot.load(self.store, step)
         p = info.parallel
         log.info(
             "resumed from step %d of %s (written by dp=%d tp=%d pp=%d)",
-            resumed.step, self.store, p["dp"], p["tp"], p["pp"],
+            resumed.step, self.store, p.dp, p.tp, p.pp,
         )  # fmt: skip
         if resumed.flushed_sites:
             log.warning(

@@ -122,11 +122,19 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(tmp_path: Path) -> No
     line = broken("no-marker", lambda d: (d / "COMPLETE").unlink())
     assert "no complete checkpoint" in line
     line = broken("bad-index", lambda d: (d / ".metadata").write_bytes(b"\x80garbage"))
-    assert "step-00000003/.metadata: corrupt" in line
+    # (its size no longer matches the one recorded in cpn.json: that is said first)
+    assert "step-00000003/.metadata: truncated" in line
     line = broken("cut-short", lambda d: _truncate(next(d.glob("*.distcp"))))
     assert "truncated" in line and ".distcp" in line
     line = broken("lost-file", lambda d: next(d.glob("*.distcp")).unlink())
     assert "missing" in line and ".distcp" in line
+    # Damaged in place, the size kept: torch would load it into wrong weights without a
+    # word; the CRC-32s the (background) save recorded in cpn.json name the file.
+    recorded = json.loads((store / "step-00000003" / "cpn.json").read_text())["files"]
+    written = {p.name for p in (store / "step-00000003").iterdir()}
+    assert set(recorded) == written - {"cpn.json", "COMPLETE"} and ".metadata" in recorded
+    line = broken("damaged", lambda d: _xor_middle(sorted(d.glob("*.distcp"))[-1]))
+    assert "step-00000003/__1_0.distcp: corrupt (CRC-32" in line
     # A checkpoint of another model cannot be resharded into this one.
     bigger = dict(doc, model=dict(doc["model"], hidden=128))
     job_big, plan_big, _ = write_run(tmp_path, "bigger", bigger)
@@ -148,3 +156,12 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(tmp_path: Path) -> No
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+
+
+def _xor_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle - 2048 : middle + 2048] = bytes(
+        b ^ 0xFF for b in data[middle - 2048 : middle + 2048]
+    )
+    path.write_bytes(bytes(data))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,9 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
+from cpn.contracts import load_job
 from cpn.scheduler import SolverSettings, plan_job
 from tests.factories import job, site, topology
 from tests.processes import free_port
+from tests.unit.test_checkpoint_store import write_checkpoint
 
 
 def worker(
@@ -150,6 +153,10 @@ def _unbind(doc: dict[str, Any]) -> None:
     doc.pop("binding")
 
 
+def _micro_batches(doc: dict[str, Any]) -> None:
+    doc["micro_batches"] = 1_000_000_000
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -157,8 +164,9 @@ def _unbind(doc: dict[str, Any]) -> None:
         (_unknown_site, "site 'atlantis', which is not in the topology"),
         (_drop_a_shard, "need exactly one entry per (replica, stage)"),
         (_unbind, "binding: missing"),
+        (_micro_batches, "micro_batches: 1000000000, but the job's batch gives"),
     ],
-    ids=["shared-gpu", "unknown-site", "missing-shard", "unbound"],
+    ids=["shared-gpu", "unknown-site", "missing-shard", "unbound", "micro-batches"],
 )
 def test_cpn_train_refuses_a_bad_plan_with_one_line(
     tmp_path: Path, edit: Callable[[dict[str, Any]], None], message: str
@@ -193,3 +201,62 @@ def test_metrics_to_stdout_one_json_line_per_step(tmp_path: Path) -> None:
         r["loss"] > 0 and set(r["bytes"]) == {"intra_node", "intra_site", "wan"} for r in records
     )
     assert {"compute", "pipeline", "dp_sync", "step"} == set(records[0]["seconds"])
+
+
+@pytest.mark.parametrize(("url", "package"), [("s3://bucket/ckpt", "s3fs"), ("gs://b/c", "gcsfs")])
+def test_a_store_whose_filesystem_is_not_installed_is_refused_before_any_worker(
+    tmp_path: Path, url: str, package: str
+) -> None:
+    """Not only on --resume: the launcher's workers would otherwise fail one by one."""
+    assert importlib.util.find_spec(package) is None, f"{package} is installed here"
+    plan, spec = files(tmp_path)
+    work = tmp_path / "work"
+    store = ["--checkpoint-store", url, "--checkpoint-every", "1"]
+    start = time.monotonic()
+    line = one_line_error(
+        cli("train", "--plan", plan, "--job", spec, *store, "--workdir", str(work))
+    )
+    assert line.startswith(f"error: --checkpoint-store: {url}: ") and package in line
+    out = cli("launch", "--plan", plan, "--job", spec, *store, "--workdir", str(work),
+              "--ranks", "0,1", "--rdzv-endpoint", "127.0.0.1:0")  # fmt: skip
+    assert one_line_error(out) == line
+    assert time.monotonic() - start < 60, "no worker was waited on"
+    assert not work.exists(), "no worker was started"
+
+
+def _finished_run(tmp: Path, step: int) -> tuple[str, str, str]:
+    """A plan, its job (10 steps) and a store whose last checkpoint is at `step`."""
+    plan, spec = files(tmp)
+    store = write_checkpoint(tmp / "store", step, load_job(spec))
+    return plan, spec, store.url
+
+
+def test_resuming_a_finished_run_says_so_and_starts_nothing(tmp_path: Path) -> None:
+    plan, spec, store = _finished_run(tmp_path, 10)
+    work = tmp_path / "work"
+    base = ["--plan", plan, "--job", spec, "--resume", "--checkpoint-store", store]
+    out = cli("train", *base, "--workdir", str(work))
+    assert out.returncode == 0, out.stderr
+    want = f"nothing to train: already trained to step 10 of 10 (checkpoint step 10 in {store})"
+    assert out.stderr.strip() == want
+    assert not list(work.glob("rank-*")), "no worker was started"
+    # What a site agent runs: the same line, and a result that says it is done.
+    out = cli("launch", *base, "--ranks", "0,1", "--rdzv-endpoint", "127.0.0.1:0",
+              "--workdir", str(work))  # fmt: skip
+    assert (out.returncode, out.stderr.strip()) == (0, want)
+    assert json.loads((work / "result.json").read_text()) == {"ok": True, "trained": 0}
+    assert not list(work.glob("rank-*"))
+
+
+def test_resuming_past_stop_after_says_so(tmp_path: Path) -> None:
+    plan, spec, store = _finished_run(tmp_path, 6)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "4"}
+    out = worker(
+        tmp_path, "--plan", plan, "--job", spec, "--rank", "1", "--resume",
+        "--checkpoint-store", store, "--stop-after", "6", env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == (
+        "nothing to train: already trained to step 6 of 10, --stop-after is 6 "
+        f"(checkpoint step 6 in {store})"
+    )

@@ -158,6 +158,34 @@ def test_bad_launches_fail_before_any_process_group(tmp_path: Path) -> None:
     json.loads(plan.model_dump_json())  # the plan a launcher writes is plain JSON
 
 
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        (
+            {"micro_batches": 1_000_000_000},
+            r"plan: micro_batches: 1000000000, but the job's batch gives global_batch / "
+            r"\(dp × micro_batch\) = 4 / \(2 × 1\) = 2",
+        ),
+        ({"micro_batches": 1}, r"plan: micro_batches: 1, but .* = 2$"),
+        (
+            {"compression": CompressionSpec(wan="topk", density=0.01)},
+            r"plan: compression: \{'wan': 'topk', 'density': 0.01\}, but the job says "
+            r"\{'wan': 'none'\}",
+        ),
+    ],
+    ids=["huge-micro-batches", "fewer-micro-batches", "compression"],
+)
+def test_a_plan_whose_derived_fields_disagree_with_its_job_is_refused(
+    update: dict[str, object], message: str
+) -> None:
+    """The binding digest covers the job, not what the plan derived from it."""
+    plan, spec = tiny_plan(2, 1, 2)
+    assert plan.micro_batches == spec.train.global_batch // (2 * spec.train.micro_batch) == 2
+    check_launch(plan, spec, 4, 0, TrainOptions())
+    with pytest.raises(InputError, match=message):
+        check_launch(plan.model_copy(update=update), spec, 4, 0, TrainOptions())
+
+
 def test_plans_with_shared_gpus_or_unknown_sites_do_not_validate() -> None:
     plan, _ = tiny_plan(2, 1, 2)
     doc = json.loads(plan.model_dump_json())
