@@ -173,6 +173,7 @@ class Trainer:
         stage = GPTStage(cfg, layout.me.stage, self.plan.parallel.pp, seed=job.train.seed)
         tp = TensorParallel(tp_group, self.traffic, self.wire_dtype)
         self.module = parallelize(stage, tp).to(self.device)
+        self.sync.attach(list(self.module.parameters()))
         self.pipeline = PipelineStage(
             self.module, layout, tp_group, self.traffic, self.wire_dtype, self.device,
             self.opts.schedule,
@@ -237,6 +238,11 @@ class Trainer:
                 "dense step",
                 ", ".join(resumed.flushed_sites),
             )
+        if resumed.dropped_outer_sites:
+            log.warning(
+                "outer-step error feedback of sites %s dropped (not in this layout)",
+                ", ".join(resumed.dropped_outer_sites),
+            )
         if resumed.dropped_velocity_sites:
             log.warning(
                 "DGC velocities of sites %s dropped (not in this layout)",
@@ -296,6 +302,14 @@ class Trainer:
                 else:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                done = step + 1
+                outer_start = time.perf_counter()
+                # wan: outer — every H steps (and once more at the end of training, so
+                # that the run ends with one model) the sites exchange pseudo-gradients.
+                outer = self.sync.after_step()
+                if done == total:
+                    outer = self.sync.finish() or outer
+                times.dp_sync += time.perf_counter() - outer_start
                 after = self.traffic.snapshot()
                 record = {
                     "step": step,
@@ -307,6 +321,7 @@ class Trainer:
                     "device": str(self.device),
                     "loss": loss,
                     "skipped": skipped,
+                    "outer_step": outer,
                     "tokens": len(batches) * job.train.micro_batch * job.model.seq_len,
                     "seconds": {
                         "step": time.perf_counter() - began,
@@ -320,9 +335,17 @@ class Trainer:
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
-                done = step + 1
                 if self.store is not None and ((every and done % every == 0) or done == end):
-                    self._checkpoint(done)
+                    if self.sync.at_outer_boundary:
+                        self._checkpoint(done)
+                    else:
+                        # Between outer steps the sites hold different parameters: only
+                        # an outer step's result is one model to save.
+                        log.warning(
+                            "step %d: no checkpoint between outer steps (next at a multiple "
+                            "of compression.every)",
+                            done,
+                        )
         return history
 
     @contextmanager
