@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -76,6 +77,9 @@ class WanSyncState:
         (needed for `state_dict` to load into a new process); default: first-seen order.
       traffic: the byte counter to add to (the runtime passes the worker's own, shared by
         all its collectives); default: a fresh one, read through `bytes_sent`.
+      overlap: the DDP hook syncs each bucket on a comm thread of its own and returns a
+        future that completes when the bucket's exchange is done, so backward goes on
+        meanwhile (`cpn.comm.hook`); False: the hook blocks.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class WanSyncState:
         seed: int = 0,
         parameters: Iterable[torch.nn.Parameter] | None = None,
         traffic: Traffic | None = None,
+        overlap: bool = True,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(
@@ -169,6 +174,8 @@ class WanSyncState:
         #: feedback it could not map onto its layout).
         self.flush_next = False
         self.traffic = traffic if traffic is not None else Traffic()
+        self.overlap = bool(overlap)
+        self._comm_thread: ThreadPoolExecutor | None = None
         #: Error-feedback residual and DGC velocity per parameter slot (exchanging ranks).
         self.residuals: dict[int, torch.Tensor] = {}
         self.velocities: dict[int, torch.Tensor] = {}
@@ -235,6 +242,12 @@ class WanSyncState:
         if buf is None or buf.numel() != numel or buf.device != device:
             buf = store[slot] = torch.zeros(numel, device=device)
         return buf
+
+    def comm_thread(self) -> ThreadPoolExecutor:
+        """The one thread that runs this state's overlapped bucket syncs, in order."""
+        if self._comm_thread is None:
+            self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpn-comm")
+        return self._comm_thread
 
     def end_step(self) -> bool:
         """Close a step: advance the schedule; True if the step's gradient was not finite."""
