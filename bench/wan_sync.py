@@ -80,7 +80,7 @@ from torch.nn.parallel import DistributedDataParallel
 from wan_emulation import EmulatedWan, available
 
 from cpn import wire
-from cpn.comm import WanSyncState, wan_sync_hook
+from cpn.comm import OuterStep, WanSyncState, wan_sync_hook
 from cpn.train.data import BatchSource
 from cpn.train.model import GPTConfig, GPTStage
 from cpn.train.trainer import learning_rate
@@ -98,6 +98,8 @@ class SyncConfig:
     name: str
     compression: str | None  # None: plain DDP, no hook
     density: float = 1.0
+    every: int = 0  # compression "outer": inner steps per outer step (H)
+    values: str = "fp16"  # compression "outer": how pseudo-gradients cross the WAN
 
 
 CONFIGS = (
@@ -210,6 +212,12 @@ def worker(spec_path: Path) -> None:
             parameters=model.parameters(),
         )
         ddp.register_comm_hook(state, wan_sync_hook)
+    outer = None
+    if cfg.compression == "outer":
+        assert state is not None
+        outer = OuterStep(
+            state, model.parameters(), every=cfg.every, values=cfg.values, density=cfg.density
+        )
     optimizer: torch.optim.Optimizer
     if sgd:
         optimizer = torch.optim.SGD(
@@ -247,6 +255,10 @@ def worker(spec_path: Path) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if outer is not None:
+            outer.after_step()  # every H steps the sites exchange pseudo-gradients
+            if step == steps - 1 and outer.inner_steps:
+                outer.sync()  # the run ends with one model
         seconds.append(time.perf_counter() - began)
         losses.append(loss.item())
         if state is not None:
