@@ -33,7 +33,7 @@ Traffic, per iteration:
   - outer-step sync (`wan: outer`, DiLoCo): the in-site reduce and broadcast every
     iteration; every H iterations the leaders exchange the pseudo-gradient (dense or fp16
     ring, or int8/int4/top-k payloads as above) and broadcast its mean in the site,
-    (c − 1)·E·g. Per-iteration figures are one exchange ÷ H, rounded up
+    (c − 1)·E·g. Per-iteration figures are one exchange ÷ H, each term rounded up
     (`dp_wan_bytes`); `dp_wan_bytes_per_sync` is the exact exchange the runtime sends.
 
 Time, per iteration (1F1B schedule, no overlap of data-parallel sync with compute):
@@ -209,7 +209,9 @@ class Workload:
         if c <= 1:
             return 0
         per_step = 2 * (c - 1) * self.stage_numel(stage) * self.grad_bytes * self.tp
-        return per_step + -(-self.dp_intra_bytes_per_sync(stage, c) // self.outer_every)
+        # (c − 1)·⌈E·g·tp / H⌉: the broadcast per outer step ÷ H, rounded up, linear in c.
+        per_sync = self.dp_intra_bytes_per_sync(stage, c) // (c - 1)
+        return per_step + (c - 1) * -(-per_sync // self.outer_every)
 
     def dp_intra_bytes_per_sync(self, stage: int, replicas_at_site: int) -> int:
         """Under `wan: outer`: the in-site broadcast of one outer step (else 0)."""
@@ -264,9 +266,23 @@ class Workload:
         return 2 * (k - 1) * self.stage_numel(stage) * self.wan_grad_bytes * self.tp
 
     def dp_wan_bytes(self, stage: int, sites: int) -> int:
-        """WAN bytes (all senders) per iteration to sync `stage` across `sites` sites: one
-        exchange per H iterations under `wan: outer` (averaged, rounded up)."""
-        return -(-self.dp_wan_bytes_per_sync(stage, sites) // self.outer_every)
+        """WAN bytes (all senders) per iteration to sync `stage` across `sites` sites.
+
+        Under `wan: outer`, one exchange per H iterations: each term of the exchange's
+        formula (per pair of sites, per site) is divided by H and rounded up, so that the
+        figure stays linear or quadratic in the number of sites — convex, as the
+        scheduler's formulations need — and at most a few bytes above exchange ÷ H.
+        """
+        k, h = sites, self.outer_every
+        if k <= 1:
+            return 0
+        if h == 1:
+            return self.dp_wan_bytes_per_sync(stage, sites)
+        if self.sparse:
+            pairs = -(-self.sparse_payload(stage) * self.tp // h)
+            ring = -(-2 * self.dense_numel(stage) * self.grad_bytes * self.tp // h)
+            return k * (k - 1) * pairs + (k - 1) * ring
+        return (k - 1) * -(-2 * self.stage_numel(stage) * self.wan_grad_bytes * self.tp // h)
 
     def dp_wan_per_leader(self, stage: int, sites: int) -> float:
         """Bytes each site leader sends on its uplink (all tp ranks) per iteration with

@@ -199,8 +199,10 @@ def test_every_mode_sends_exactly_the_predicted_bytes_and_replicas_agree() -> No
                 extra = sum(w.dp_intra_bytes_per_sync(0, c) for c in counts.values())
                 assert wan == (w.dp_wan_bytes_per_sync(0, k) if synced else 0), (mode, step)
                 assert intra == base_intra + (extra if synced else 0), (mode, step)
-                # The per-iteration figure the scheduler sees is the exchange ÷ H.
-                assert w.dp_wan_bytes(0, k) == -(-w.dp_wan_bytes_per_sync(0, k) // EVERY)
+                # The per-iteration figure the scheduler sees is the exchange ÷ H (its
+                # terms rounded up: a few bytes more).
+                per_sync = w.dp_wan_bytes_per_sync(0, k)
+                assert per_sync / EVERY <= w.dp_wan_bytes(0, k) <= per_sync / EVERY + k * k
             else:
                 assert wan == w.dp_wan_bytes(0, k), (mode, step)
                 assert intra == base_intra, (mode, step)

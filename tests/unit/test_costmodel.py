@@ -112,7 +112,8 @@ def test_low_bit_and_outer_step_bytes() -> None:
     assert dense_h1.dp_wan_bytes(0, 3) == Workload.of(small_job()).dp_wan_bytes(0, 3)
     topk = Workload.of(small_job(tp=1, wan="outer", every=8, values="topk", density=0.01))
     assert topk.dp_wan_bytes_per_sync(0, 2) == 2 * 1 * 2_340  # as per-step top-k at 1 %
-    assert topk.dp_wan_bytes(0, 2) == 2 * 2_340 // 8
+    # Per iteration: k(k − 1)·⌈payload / H⌉, convex in k for the scheduler.
+    assert topk.dp_wan_bytes(0, 2) == 2 * 293 and topk.dp_wan_bytes(0, 3) == 6 * 293
 
 
 def test_wire_sizes() -> None:
