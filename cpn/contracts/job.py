@@ -33,6 +33,7 @@ class WanCompression(StrEnum):
     INT8 = "int8"  # every value as int8, one fp32 scale per block, error feedback
     INT4 = "int4"  # every value as int4, one fp32 scale per block, error feedback
     OUTER = "outer"  # DiLoCo: in-site sync every step, pseudo-gradients every `every` steps
+    AUTO = "auto"  # the scheduler picks one of the above from the measured WAN (`target`)
 
 
 class OuterValues(StrEnum):
@@ -142,6 +143,13 @@ class CompressionSpec(_Strict):
     outer_momentum: float | None = Field(
         default=None, ge=0, lt=1, allow_inf_nan=False, description="wan: outer (0.9)"
     )
+    target: float | None = Field(
+        default=None,
+        gt=0,
+        le=10,
+        allow_inf_nan=False,
+        description="wan: auto — the WAN sync's share of an iteration's compute time (0.1)",
+    )
 
     @model_validator(mode="after")
     def _fields_of_their_mode(self) -> CompressionSpec:
@@ -158,7 +166,26 @@ class CompressionSpec(_Strict):
         for name in ("every", "values", "outer_lr", "outer_momentum"):
             if getattr(self, name) is not None and not outer:
                 raise ValueError(f"{name}: only meaningful with wan: outer, not wan: {self.wan}")
+        if self.target is not None and self.wan is not WanCompression.AUTO:
+            raise ValueError(f"target: only meaningful with wan: auto, not wan: {self.wan}")
         return self
+
+    @property
+    def summary(self) -> str:
+        """One line for logs and metrics: 'fp16', 'topk 0.001', 'outer H=32 int8'."""
+        if self.wan is WanCompression.OUTER:
+            values = self.outer_values.value
+            if self.outer_values is OuterValues.TOPK:
+                values += f" {self.effective_density:g}"
+            return f"outer H={self.outer_every} {values}"
+        if self.wan is WanCompression.TOPK:
+            return f"topk {self.effective_density:g}"
+        return self.wan.value
+
+    @property
+    def auto_target(self) -> float:
+        """wan: auto — the share of compute time the WAN sync may take (default 10 %)."""
+        return self.target if self.target is not None else 0.1
 
     @property
     def outer_every(self) -> int:
@@ -207,6 +234,11 @@ class JobSpec(_Strict):
         if self.parallel == "auto":
             if self.gpus is None:
                 raise ValueError("gpus: required with parallel: auto (the GPU budget)")
+            if self.compression.wan is WanCompression.AUTO:
+                raise ValueError(
+                    "compression.wan: auto needs a fixed layout (parallel: {dp, tp, pp}); "
+                    "with parallel: auto name the WAN sync"
+                )
             return self
         par = self.parallel
         if self.gpus is not None and self.gpus != par.world_size:

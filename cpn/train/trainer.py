@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from cpn.comm import Traffic, new_groups
-from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, layout_problem
+from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, WanCompression, layout_problem
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
 from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable
@@ -131,6 +131,11 @@ def learning_rate(base: float, step: int, total: int) -> float:
 
 class Trainer:
     def __init__(self, plan: Plan, job: JobSpec, rank: int, opts: TrainOptions) -> None:
+        if job.compression.wan is WanCompression.AUTO:
+            # The scheduler chose the WAN sync from the measured links; the plan says which.
+            job = job.model_copy(update={"compression": plan.compression})
+            if plan.wan_auto is not None and rank == 0:
+                log.info("wan: auto chose %s: %s", plan.wan_auto.summary, plan.wan_auto.reason)
         self.plan, self.job, self.rank, self.opts = plan, job, rank, opts
         self.layout = Layout(plan, rank)
         self.traffic = Traffic()
@@ -322,6 +327,7 @@ class Trainer:
                     "loss": loss,
                     "skipped": skipped,
                     "outer_step": outer,
+                    "wan_sync": job.compression.summary,
                     "tokens": len(batches) * job.train.micro_batch * job.model.seq_len,
                     "seconds": {
                         "step": time.perf_counter() - began,

@@ -16,7 +16,9 @@ import pytest
 
 from cpn.contracts import JobSpec
 from cpn.costmodel import Workload
-from tests.integration.runtime import replica_per_site, run, tiny_job
+from cpn.train.launcher import train_local
+from cpn.train.trainer import TrainOptions
+from tests.integration.runtime import replica_per_site, run, tiny_job, write_run
 
 pytestmark = pytest.mark.slow
 
@@ -50,3 +52,12 @@ def test_resume_at_an_outer_step_is_exact(tmp_path: Path) -> None:
     second = run(tmp_path, "second", doc, plan, checkpoint_store=ckpt, resume=True)
     assert [s.step for s in first + second] == list(range(8))
     assert [s.loss for s in first + second] == [s.loss for s in straight]
+
+
+def test_wan_auto_runs_what_the_plan_chose_and_the_metrics_say_so(tmp_path: Path) -> None:
+    doc = tiny_job(2, 1, 1, 3, wan="auto")
+    job_path, plan_path, plan = write_run(tmp_path, "auto", doc)
+    assert plan.wan_auto is not None and plan.compression == plan.wan_auto.compression
+    records = train_local(plan_path, job_path, TrainOptions(), tmp_path / "auto" / "work", 2)
+    assert len(records) == 2 * 3
+    assert {r["wan_sync"] for r in records} == {plan.wan_auto.summary}
