@@ -67,6 +67,9 @@ def _configs() -> list[SyncConfig]:
     out = [
         SyncConfig("ddp", "DDP flat ring fp32", None),
         SyncConfig("dense", "hierarchical dense fp32", "none"),
+        SyncConfig(
+            "dense-blocking", "hierarchical dense fp32, blocking hook", "none", overlap=False
+        ),
         SyncConfig("fp16", "hierarchical fp16", "fp16"),
         SyncConfig("int8", "hierarchical int8", "int8"),
         SyncConfig("int4", "hierarchical int4", "int4"),
@@ -285,6 +288,38 @@ def chart(report: Report, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def print_err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def timing(keys: Sequence[str], setup: Setup, skip: int, rounds: int, log: Any) -> None:
+    """Median step time (slowest rank of each step, after `skip`) per configuration, on
+    loopback (no WAN limit), run round-robin `rounds` times so that the machine's load
+    falls on every configuration alike; prints markdown."""
+    tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-timing-"))
+    medians: dict[str, list[float]] = {k: [] for k in keys}
+    load = [os.getloadavg()[0]]
+    for r in range(rounds):
+        for key in keys:
+            run = launch(BY_KEY[key], setup, setup.steps, 0, None, tmp / f"{key}-{r}")
+            medians[key].append(statistics.median(run.step_seconds()[skip:]))
+            log(f"{key} round {r}: {medians[key][-1] * 1e3:.1f} ms")
+    shutil.rmtree(tmp)
+    load.append(os.getloadavg()[0])
+    ddp = statistics.median(medians["ddp"])
+    print(
+        f"Step time, no WAN limit (loopback), GPT {setup.layers}×{setup.hidden}, "
+        f"{setup.steps} steps (median after {skip}, slowest rank), {rounds} rounds; "
+        f"load average {load[0]:.1f} → {load[1]:.1f}\n"
+    )
+    print("| sync | step (median of rounds) | rounds | this ÷ DDP |")
+    print("|---|---:|---|---:|")
+    for key in keys:
+        m = statistics.median(medians[key])
+        each = ", ".join(f"{x * 1e3:.0f}" for x in medians[key])
+        print(f"| {BY_KEY[key].name} | {m * 1e3:.1f} ms | {each} | {m / ddp:.2f}× |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -297,10 +332,21 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the report as JSON here")
     ap.add_argument("--chart", type=Path, help="write the frontier chart (PNG) here")
+    ap.add_argument(
+        "--timing",
+        action="store_true",
+        help="step times instead (default configs ddp,dense,dense-blocking; --steps 40)",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--timing: rounds")
     args = ap.parse_args()
     setup = QUICK if args.quick else FULL
     if args.steps:
         setup = replace(setup, steps=args.steps, warmup=max(1, args.steps // 10))
+    if args.timing:
+        keys = (args.configs or "ddp,dense,dense-blocking").split(",")
+        steps = args.steps or 40
+        timing(keys, replace(setup, steps=steps), steps // 4, args.rounds, print_err)
+        return
     keys = (args.configs or (QUICK_KEYS if args.quick else DEFAULT_KEYS)).split(",")
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
@@ -309,11 +355,8 @@ def main() -> None:
         keys = ["ddp", *keys]
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",")]
 
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
     try:
-        report = run_all(keys, seeds, setup, args.parallel, log)
+        report = run_all(keys, seeds, setup, args.parallel, print_err)
     except RankFailed as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.json:

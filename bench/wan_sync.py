@@ -100,6 +100,7 @@ class SyncConfig:
     density: float = 1.0
     every: int = 0  # compression "outer": inner steps per outer step (H)
     values: str = "fp16"  # compression "outer": how pseudo-gradients cross the WAN
+    overlap: bool = True  # the hook syncs buckets on a comm thread (False: blocking)
 
 
 CONFIGS = (
@@ -210,6 +211,7 @@ def worker(spec_path: Path) -> None:
             timeout=timeout,
             seed=setup.seed,
             parameters=model.parameters(),
+            overlap=cfg.overlap,
         )
         ddp.register_comm_hook(state, wan_sync_hook)
     outer = None
