@@ -49,11 +49,15 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-#: Every namespace this module creates is named "<prefix>-…".
-DEFAULT_PREFIX = "cpnwan"
+#: Every namespace this module creates is named "<prefix>-…" (CPN_WAN_PREFIX overrides it,
+#: so that two people on one host keep apart).
+DEFAULT_PREFIX = os.environ.get("CPN_WAN_PREFIX", "cpnwan")
 INTERFACE = "wan0"
 BRIDGE = "br0"
-SUBNET = "198.18.0"  # /24 inside 198.18.0.0/15
+#: A /24 inside 198.18.0.0/15 (CPN_WAN_SUBNET, e.g. "198.18.13", overrides it).
+SUBNET = os.environ.get("CPN_WAN_SUBNET", "198.18.0")
+if not SUBNET.startswith(("198.18.", "198.19.")) or SUBNET.count(".") != 2:
+    raise SystemExit(f"CPN_WAN_SUBNET: {SUBNET!r} is not a /24 inside 198.18.0.0/15")
 FIRST_HOST = 10
 MIN_BURST_BYTES = 64 << 10
 DEFAULT_LATENCY_MS = 50.0

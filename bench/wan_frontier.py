@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,10 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from wan_emulation import EmulatedWan
 from wan_sync import (
     LEARNING_RATES,
+    SITES,
     RankFailed,
     Run,
     Setup,
@@ -292,32 +295,58 @@ def print_err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def timing(keys: Sequence[str], setup: Setup, skip: int, rounds: int, log: Any) -> None:
-    """Median step time (slowest rank of each step, after `skip`) per configuration, on
-    loopback (no WAN limit), run round-robin `rounds` times so that the machine's load
-    falls on every configuration alike; prints markdown."""
+def timing(
+    keys: Sequence[str],
+    setup: Setup,
+    skip: int,
+    rounds: int,
+    log: Any,
+    rate_mbit: float | None,
+) -> None:
+    """Step time per configuration (median over steps after `skip` of the slowest rank,
+    and the mean, which counts the outer steps' bursts), run round-robin `rounds` times so
+    that the machine's load falls on every configuration alike. With `rate_mbit` the sites
+    are emulated (`bench/wan_emulation.py`, root) and each configuration also runs with
+    every uplink at that rate; else on loopback. Prints markdown."""
     tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-timing-"))
-    medians: dict[str, list[float]] = {k: [] for k in keys}
+    medians: dict[tuple[str, float | None], list[float]] = {}
+    means: dict[tuple[str, float | None], list[float]] = {}
     load = [os.getloadavg()[0]]
-    for r in range(rounds):
-        for key in keys:
-            run = launch(BY_KEY[key], setup, setup.steps, 0, None, tmp / f"{key}-{r}")
-            medians[key].append(statistics.median(run.step_seconds()[skip:]))
-            log(f"{key} round {r}: {medians[key][-1] * 1e3:.1f} ms")
+    rates: list[float | None] = [None] if rate_mbit is None else [None, rate_mbit]
+    with EmulatedWan(len(SITES), None) if rate_mbit is not None else nullcontext() as wan:
+        for r in range(rounds):
+            for rate in rates:
+                if wan is not None:
+                    wan.set_uplink(rate)
+                for key in keys:
+                    where = tmp / f"{key}-{rate}-{r}"
+                    run = launch(BY_KEY[key], setup, setup.steps, 0, wan, where)
+                    steps = run.step_seconds()[skip:]
+                    medians.setdefault((key, rate), []).append(statistics.median(steps))
+                    means.setdefault((key, rate), []).append(statistics.fmean(steps))
+                    log(f"{key} {rate} round {r}: {medians[key, rate][-1] * 1e3:.1f} ms")
     shutil.rmtree(tmp)
     load.append(os.getloadavg()[0])
-    ddp = statistics.median(medians["ddp"])
+    network = "loopback" if rate_mbit is None else "emulated sites"
     print(
-        f"Step time, no WAN limit (loopback), GPT {setup.layers}×{setup.hidden}, "
-        f"{setup.steps} steps (median after {skip}, slowest rank), {rounds} rounds; "
-        f"load average {load[0]:.1f} → {load[1]:.1f}\n"
+        f"Step time ({network}), GPT {setup.layers}×{setup.hidden}, {setup.steps} steps "
+        f"(after {skip}; slowest rank per step), {rounds} rounds; load average "
+        f"{load[0]:.1f} → {load[1]:.1f}\n"
     )
-    print("| sync | step (median of rounds) | rounds | this ÷ DDP |")
-    print("|---|---:|---|---:|")
-    for key in keys:
-        m = statistics.median(medians[key])
-        each = ", ".join(f"{x * 1e3:.0f}" for x in medians[key])
-        print(f"| {BY_KEY[key].name} | {m * 1e3:.1f} ms | {each} | {m / ddp:.2f}× |")
+    print("| uplink | sync | median step | mean step | rounds (median) | ÷ DDP | ÷ no limit |")
+    print("|---|---|---:|---:|---|---:|---:|")
+    for rate in rates:
+        ddp = statistics.median(medians["ddp", rate])
+        for key in keys:
+            m = statistics.median(medians[key, rate])
+            mean = statistics.median(means[key, rate])
+            each = ", ".join(f"{x * 1e3:.0f}" for x in medians[key, rate])
+            free = statistics.median(medians[key, None])
+            label = "no limit" if rate is None else f"{rate:g} Mbit/s"
+            print(
+                f"| {label} | {BY_KEY[key].name} | {m * 1e3:.1f} ms | {mean * 1e3:.1f} ms | "
+                f"{each} | {m / ddp:.2f}× | {m / free:.2f}× |"
+            )
 
 
 def main() -> None:
@@ -338,6 +367,11 @@ def main() -> None:
         help="step times instead (default configs ddp,dense,dense-blocking; --steps 40)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="--timing: rounds")
+    ap.add_argument(
+        "--rate-mbit",
+        type=float,
+        help="--timing: also with every uplink at this rate (emulated sites: root)",
+    )
     args = ap.parse_args()
     setup = QUICK if args.quick else FULL
     if args.steps:
@@ -345,7 +379,9 @@ def main() -> None:
     if args.timing:
         keys = (args.configs or "ddp,dense,dense-blocking").split(",")
         steps = args.steps or 40
-        timing(keys, replace(setup, steps=steps), steps // 4, args.rounds, print_err)
+        timing(
+            keys, replace(setup, steps=steps), steps // 4, args.rounds, print_err, args.rate_mbit
+        )
         return
     keys = (args.configs or (QUICK_KEYS if args.quick else DEFAULT_KEYS)).split(",")
     unknown = [k for k in keys if k not in BY_KEY]
