@@ -291,6 +291,34 @@ def chart(report: Report, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def merge(paths: Sequence[Path]) -> Report:
+    """One report from several `--json` reports of the same setup and seeds (runs split
+    to keep each short): their points, DDP's once."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    first = docs[0]
+    for other in docs[1:]:
+        same = ("layers", "hidden", "steps", "seeds", "lr")
+        if any(other["setup"][k] != first["setup"][k] for k in same):
+            raise SystemExit(f"--merge: reports of different setups ({', '.join(same)})")
+    setup = dict(first["setup"])
+    setup["load"] = [
+        min(d["setup"]["load"][0] for d in docs),
+        max(d["setup"]["load"][1] for d in docs),
+    ]
+    report = Report(setup=setup)
+    seen: set[str] = set()
+    for doc in docs:
+        for point in doc["points"]:
+            if point["key"] not in seen:
+                seen.add(point["key"])
+                report.points.append(Point(**point))
+    good = [p for p in report.points if p.key != "ddp" and p.within_2pct]
+    if good:
+        best = max(good, key=lambda p: p.ddp_over_this)
+        report.best = {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
+    return report
+
+
 def print_err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -368,6 +396,9 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=3, help="--timing: rounds")
     ap.add_argument(
+        "--merge", type=Path, nargs="+", help="render these --json reports as one (no runs)"
+    )
+    ap.add_argument(
         "--rate-mbit",
         type=float,
         help="--timing: also with every uplink at this rate (emulated sites: root)",
@@ -376,6 +407,12 @@ def main() -> None:
     setup = QUICK if args.quick else FULL
     if args.steps:
         setup = replace(setup, steps=args.steps, warmup=max(1, args.steps // 10))
+    if args.merge:
+        report = merge(args.merge)
+        if args.chart:
+            chart(report, args.chart)
+        print_markdown(report)
+        return
     if args.timing:
         keys = (args.configs or "ddp,dense,dense-blocking").split(",")
         steps = args.steps or 40
