@@ -147,12 +147,27 @@ def wan_per_step(config: SyncConfig, run: Run) -> float:
 
 
 def run_all(
-    keys: Sequence[str], seeds: Sequence[int], setup: Setup, parallel: int, log: Any
+    keys: Sequence[str],
+    seeds: Sequence[int],
+    setup: Setup,
+    parallel: int,
+    log: Any,
+    runs_file: Path | None = None,
 ) -> Report:
+    """Every (configuration, seed) run; with `runs_file` each finished run is appended to
+    it as one JSON line and runs already there are not run again (a long sweep survives
+    an interruption)."""
     report = Report(setup={**asdict(setup), "seeds": list(seeds), "load": [os.getloadavg()[0]]})
     tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-frontier-"))
-    jobs = [(BY_KEY[k], s) for s in seeds for k in keys]
     results: dict[tuple[str, int], tuple[float, float, float]] = {}
+    fingerprint = json.dumps(asdict(setup), sort_keys=True)
+    if runs_file is not None and runs_file.exists():
+        for line in runs_file.read_text().splitlines():
+            row = json.loads(line)
+            if row["setup"] == fingerprint:
+                results[row["key"], row["seed"]] = tuple(row["result"])
+                report.setup["parameters"] = row["parameters"]
+    jobs = [(BY_KEY[k], s) for s in seeds for k in keys if (k, s) not in results]
 
     def one(job: tuple[SyncConfig, int]) -> None:
         config, seed = job
@@ -165,17 +180,29 @@ def run_all(
             None,
             tmp / f"{config.key}-s{seed}",
         )
-        results[config.key, seed] = (
+        result = (
             wan_per_step(config, run),
             float(run.ranks[0]["eval_loss"]),
             time.monotonic() - began,
         )
+        results[config.key, seed] = result
         report.setup["parameters"] = run.ranks[0]["parameters"]
-        log(f"{config.name}, seed {seed}: {results[config.key, seed]}")
+        if runs_file is not None:
+            row = {"setup": fingerprint, "key": config.key, "seed": seed, "result": result}
+            row["parameters"] = run.ranks[0]["parameters"]
+            with runs_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        log(f"{config.name}, seed {seed}: {result}")
 
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for f in [pool.submit(one, j) for j in jobs]:
-            f.result()
+        futures = [pool.submit(one, j) for j in jobs]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()  # a failed run ends the sweep, not after every other run
+            raise
     shutil.rmtree(tmp)
     ddp_bytes = statistics.fmean(results["ddp", s][0] for s in seeds)
     for key in keys:
@@ -388,6 +415,9 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (6 processes each)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the report as JSON here")
+    ap.add_argument(
+        "--runs", type=Path, help="append each run here (JSON lines); runs found are reused"
+    )
     ap.add_argument("--chart", type=Path, help="write the frontier chart (PNG) here")
     ap.add_argument(
         "--timing",
@@ -429,7 +459,7 @@ def main() -> None:
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",")]
 
     try:
-        report = run_all(keys, seeds, setup, args.parallel, print_err)
+        report = run_all(keys, seeds, setup, args.parallel, print_err, args.runs)
     except RankFailed as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.json:

@@ -928,7 +928,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         worker(args.worker)
-        return
+        # Leave without the interpreter's teardown: torch 2.x can deadlock there, DDP's
+        # Reducer joining a gloo thread that waits for the GIL (seen once in ~20 runs,
+        # after the rank had written its result).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     err = Console(stderr=True)
     try:
         report = run_bench(args, err)
