@@ -36,6 +36,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -313,7 +314,7 @@ def chart(report: Report, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("WAN bytes per step, whole run (log)")
     ax.set_ylabel("final eval loss vs DDP, % (mean; bars: seeds' range)")
-    ax.set_title(headline(report), fontsize=7)
+    ax.set_title(textwrap.fill(headline(report), 130), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
