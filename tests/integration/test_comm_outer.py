@@ -7,6 +7,7 @@
 - Every mode's bytes equal the cost model's prediction exactly: per-step int8/int4, and
   outer steps with every value codec (per exchange, and the in-site traffic of each step).
 - After each outer step every replica holds the same parameters, whatever the codec.
+- A pseudo-gradient that is not finite at one site voids the outer step everywhere.
 """
 
 from __future__ import annotations
@@ -89,7 +90,34 @@ def _h1(rank: int, world: int) -> dict[str, Any]:
             float((a - b).abs().max()) for a, b in zip(dense, _model().parameters(), strict=True)
         )
         out["moved"] = moved
+    out["void"] = _non_finite_outer_step(rank)
     return out
+
+
+def _non_finite_outer_step(rank: int) -> dict[str, Any]:
+    """Rank 0's site diverges (a NaN parameter): the outer step is void everywhere."""
+    params = [p.detach().clone() for p in _model().parameters()]
+    state = WanSyncState(LAYOUT, compression="outer")
+    outer = OuterStep(state, params, every=1, values="int8")
+    with torch.no_grad():
+        for p in params:
+            p.sub_(0.01)  # an inner step everywhere ...
+        if rank == 0:
+            params[0].view(-1)[0] = float("nan")  # ... that went wrong at one site
+    applied = outer.sync()
+    start = [p.detach() for p in _model().parameters()]
+    return {
+        "applied": applied,
+        "skipped": outer.skipped,
+        "back_at_anchor": all(
+            torch.equal(p, a) for p, a in zip(params, outer.anchors, strict=True)
+        ),
+        "anchor_is_start": all(
+            torch.equal(a, s) for a, s in zip(outer.anchors, start, strict=True)
+        ),
+        # Leaders hold residual buffers, but nothing was committed into them.
+        "residuals": sum(float(r.abs().sum()) for r in outer.residuals.values()),
+    }
 
 
 def test_outer_step_with_h1_dense_equals_per_step_dense_sync() -> None:
@@ -97,6 +125,15 @@ def test_outer_step_with_h1_dense_equals_per_step_dense_sync() -> None:
         assert r["moved"] > 1e-3  # the runs really trained
         assert r["sync"] <= 1e-6, r
         assert r["ddp"] <= 1e-6, r
+        # A non-finite pseudo-gradient voids the outer step on every rank: nothing
+        # committed, everybody back at the (unchanged) anchor.
+        assert r["void"] == {
+            "applied": False,
+            "skipped": 1,
+            "back_at_anchor": True,
+            "anchor_is_start": True,
+            "residuals": 0.0,
+        }, r["void"]
 
 
 # -- bytes against the cost model --------------------------------------------------------
