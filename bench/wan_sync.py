@@ -79,7 +79,7 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel
 
 from cpn import wire
-from cpn.comm import WanSyncState, wan_sync_hook
+from cpn.comm import OuterStep, WanSyncState, wan_sync_hook
 from cpn.emulated_wan import EmulatedWan, available
 from cpn.train.data import BatchSource
 from cpn.train.model import GPTConfig, GPTStage
@@ -98,6 +98,9 @@ class SyncConfig:
     name: str
     compression: str | None  # None: plain DDP, no hook
     density: float = 1.0
+    every: int = 0  # compression "outer": inner steps per outer step (H)
+    values: str = "fp16"  # compression "outer": how pseudo-gradients cross the WAN
+    overlap: bool = True  # the hook syncs buckets on a comm thread (False: blocking)
 
 
 CONFIGS = (
@@ -208,8 +211,15 @@ def worker(spec_path: Path) -> None:
             timeout=timeout,
             seed=setup.seed,
             parameters=model.parameters(),
+            overlap=cfg.overlap,
         )
         ddp.register_comm_hook(state, wan_sync_hook)
+    outer = None
+    if cfg.compression == "outer":
+        assert state is not None
+        outer = OuterStep(
+            state, model.parameters(), every=cfg.every, values=cfg.values, density=cfg.density
+        )
     optimizer: torch.optim.Optimizer
     if sgd:
         optimizer = torch.optim.SGD(
@@ -247,6 +257,10 @@ def worker(spec_path: Path) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if outer is not None:
+            outer.after_step()  # every H steps the sites exchange pseudo-gradients
+            if step == steps - 1 and outer.inner_steps:
+                outer.sync()  # the run ends with one model
         seconds.append(time.perf_counter() - began)
         losses.append(loss.item())
         if state is not None:
@@ -914,7 +928,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         worker(args.worker)
-        return
+        # Leave without the interpreter's teardown: torch 2.x can deadlock there, DDP's
+        # Reducer joining a gloo thread that waits for the GIL (seen once in ~20 runs,
+        # after the rank had written its result).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     err = Console(stderr=True)
     try:
         report = run_bench(args, err)

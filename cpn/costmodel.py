@@ -28,7 +28,13 @@ Traffic, per iteration:
     every tensor-parallel worker holds whole (LayerNorms, row-parallel biases) are synced
     dense even under top-k: each worker compressing its own copy would let the copies
     drift apart. They are small (6·h per layer against 12·h²/tp sharded); their ring
-    all-reduce is added to the sparse exchange.
+    all-reduce is added to the sparse exchange. Low-bit values (`int8`/`int4`, one fp32
+    scale per block) are all-gathered like top-k payloads, k·(k − 1)·payload.
+  - outer-step sync (`wan: outer`, DiLoCo): the in-site reduce and broadcast every
+    iteration; every H iterations the leaders exchange the pseudo-gradient (dense or fp16
+    ring, or int8/int4/top-k payloads as above) and broadcast its mean in the site,
+    (c − 1)·E·g. Per-iteration figures are one exchange ÷ H, each term rounded up
+    (`dp_wan_bytes`); `dp_wan_bytes_per_sync` is the exact exchange the runtime sends.
 
 Time, per iteration (1F1B schedule, no overlap of data-parallel sync with compute):
   (m + pp − 1)·max_p(compute_p + boundary_p) + max_p dp_sync_p
@@ -50,7 +56,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from cpn import wire
-from cpn.contracts.job import JobSpec, ParallelSpec, WanCompression
+from cpn.contracts.job import JobSpec, OuterValues, ParallelSpec, WanCompression
 from cpn.contracts.topology import NodeSpec, Topology
 from cpn.gpt_shapes import ParamShape, padded_vocab, stage_layers, stage_parameters
 from cpn.network import Route, SiteGraph
@@ -109,14 +115,39 @@ class Workload:
 
     @property
     def wan_grad_bytes(self) -> int:
-        """Bytes per element of a dense gradient on the WAN."""
-        if self.job.compression.wan is WanCompression.FP16:
+        """Bytes per element of a dense gradient (or pseudo-gradient) on the WAN."""
+        c = self.job.compression
+        if c.wan is WanCompression.FP16 or (
+            c.wan is WanCompression.OUTER and c.outer_values is OuterValues.FP16
+        ):
             return 2
         return self.grad_bytes
 
     @property
+    def codec(self) -> str | None:
+        """ "topk", "int8" or "int4" when site leaders all-gather per-leader payloads (with
+        error feedback) instead of running a dense ring; None for a dense ring."""
+        c = self.job.compression
+        if c.wan in (WanCompression.TOPK, WanCompression.INT8, WanCompression.INT4):
+            return c.wan.value
+        if c.wan is WanCompression.OUTER and c.outer_values.feedback:
+            return c.outer_values.value
+        return None
+
+    @property
     def sparse(self) -> bool:
-        return self.job.compression.wan is WanCompression.TOPK
+        """Whether the WAN exchange is an all-gather of payloads (top-k or low-bit values):
+        with tp > 1 the parameters held whole are then synced dense beside it."""
+        return self.codec is not None
+
+    @property
+    def outer(self) -> bool:
+        return self.job.compression.wan is WanCompression.OUTER
+
+    @property
+    def outer_every(self) -> int:
+        """H: iterations per WAN exchange (1 unless `wan: outer`)."""
+        return self.job.compression.outer_every
 
     @property
     def density(self) -> float:
@@ -171,11 +202,23 @@ class Workload:
         return self.micro_batches * per_mb
 
     def dp_intra_bytes(self, stage: int, replicas_at_site: int) -> int:
-        """In-site data-parallel bytes at one site holding `replicas_at_site` of the stage."""
+        """In-site data-parallel bytes per iteration at one site holding `replicas_at_site`
+        of the stage: reduce + broadcast of the gradient, and under `wan: outer` the
+        broadcast of the mean pseudo-gradient once per H iterations (averaged, rounded up)."""
         c = replicas_at_site
         if c <= 1:
             return 0
-        return 2 * (c - 1) * self.stage_numel(stage) * self.grad_bytes * self.tp
+        per_step = 2 * (c - 1) * self.stage_numel(stage) * self.grad_bytes * self.tp
+        # (c − 1)·⌈E·g·tp / H⌉: the broadcast per outer step ÷ H, rounded up, linear in c.
+        per_sync = self.dp_intra_bytes_per_sync(stage, c) // (c - 1)
+        return per_step + (c - 1) * -(-per_sync // self.outer_every)
+
+    def dp_intra_bytes_per_sync(self, stage: int, replicas_at_site: int) -> int:
+        """Under `wan: outer`: the in-site broadcast of one outer step (else 0)."""
+        c = replicas_at_site
+        if c <= 1 or not self.outer:
+            return 0
+        return (c - 1) * self.stage_numel(stage) * self.grad_bytes * self.tp
 
     def sparse_params(self, stage: int) -> list[ParamShape]:
         """Parameters top-k compresses (with tp > 1: the sharded ones), in module order."""
@@ -189,26 +232,30 @@ class Workload:
     def dense_numel(self, stage: int) -> int:
         return sum(p.numel for p in self.dense_params(stage))
 
+    def payload_bytes(self, numel: int) -> int:
+        """One leader's payload for a bucket of `numel` elements under `codec`."""
+        if self.codec == "topk":
+            return wire.sparse_payload_bytes(numel, self.density, SPARSE_VALUE_BYTES)
+        return wire.quantized_bytes(numel, wire.QUANT_BITS[str(self.codec)])
+
     @cached_property
     def _sparse_payloads(self) -> list[int]:
-        """Sparse payload bytes per tensor-parallel rank and leader, per stage."""
+        """Payload bytes (top-k or low-bit) per tensor-parallel rank and leader, per stage."""
         out = []
         for stage in range(self.pp):
             numels = [p.numel for p in self.sparse_params(stage)]
             out.append(
-                sum(
-                    wire.sparse_payload_bytes(n, self.density, SPARSE_VALUE_BYTES)
-                    for n in wire.bucket_numels(numels, self.bucket_elements)
-                )
+                sum(self.payload_bytes(n) for n in wire.bucket_numels(numels, self.bucket_elements))
             )
         return out
 
     def sparse_payload(self, stage: int) -> int:
-        """Bytes one leader contributes per tensor-parallel rank in the sparse exchange."""
-        return self._sparse_payloads[stage]
+        """Bytes one leader contributes per tensor-parallel rank in the payload exchange."""
+        return self._sparse_payloads[stage] if self.sparse else 0
 
-    def dp_wan_bytes(self, stage: int, sites: int) -> int:
-        """WAN bytes (all senders) to sync `stage` across `sites` sites."""
+    def dp_wan_bytes_per_sync(self, stage: int, sites: int) -> int:
+        """WAN bytes (all senders) of one exchange of `stage` across `sites` sites: every
+        iteration's gradients, or under `wan: outer` one outer step's pseudo-gradients."""
         k = sites
         if k <= 1:
             return 0
@@ -218,16 +265,37 @@ class Workload:
             return (sparse + dense) * self.tp
         return 2 * (k - 1) * self.stage_numel(stage) * self.wan_grad_bytes * self.tp
 
+    def dp_wan_bytes(self, stage: int, sites: int) -> int:
+        """WAN bytes (all senders) per iteration to sync `stage` across `sites` sites.
+
+        Under `wan: outer`, one exchange per H iterations: each term of the exchange's
+        formula (per pair of sites, per site) is divided by H and rounded up, so that the
+        figure stays linear or quadratic in the number of sites — convex, as the
+        scheduler's formulations need — and at most a few bytes above exchange ÷ H.
+        """
+        k, h = sites, self.outer_every
+        if k <= 1:
+            return 0
+        if h == 1:
+            return self.dp_wan_bytes_per_sync(stage, sites)
+        if self.sparse:
+            pairs = -(-self.sparse_payload(stage) * self.tp // h)
+            ring = -(-2 * self.dense_numel(stage) * self.grad_bytes * self.tp // h)
+            return k * (k - 1) * pairs + (k - 1) * ring
+        return (k - 1) * -(-2 * self.stage_numel(stage) * self.wan_grad_bytes * self.tp // h)
+
     def dp_wan_per_leader(self, stage: int, sites: int) -> float:
-        """Bytes each site leader sends on its uplink (all tp ranks) with `sites` sites."""
+        """Bytes each site leader sends on its uplink (all tp ranks) per iteration with
+        `sites` sites (one exchange ÷ H under `wan: outer`)."""
         k = sites
         if k <= 1:
             return 0.0
         if self.sparse:
             sparse = (k - 1) * self.sparse_payload(stage)
             dense = 2 * (k - 1) / k * self.dense_numel(stage) * self.grad_bytes
-            return float((sparse + dense) * self.tp)
-        return 2 * (k - 1) / k * self.stage_numel(stage) * self.wan_grad_bytes * self.tp
+            return float((sparse + dense) * self.tp) / self.outer_every
+        per_sync = 2 * (k - 1) / k * self.stage_numel(stage) * self.wan_grad_bytes * self.tp
+        return per_sync / self.outer_every
 
     def dp_wan_steps(self, sites: int) -> int:
         """Sequential messages per leader: ring all-reduce 2(k−1), ring all-gather k−1
@@ -413,7 +481,7 @@ def evaluate(
                     sent += wire.ring_allreduce_bytes(w.dense_numel(p), w.grad_bytes, k, i) * tp
                 else:
                     sent = wire.ring_allreduce_bytes(e, w.wan_grad_bytes, k, i) * tp
-                load(route(site, nxt), sent)
+                load(route(site, nxt), -(-sent // w.outer_every))
             pairs = (route(a, b) for i, a in enumerate(sites) for b in sites[i + 1 :])
             wan_time = w.dp_wan_seconds(p, k, pairs)
         dp_seconds[p] = intra_time + wan_time

@@ -95,6 +95,29 @@ def sparse_payload_bytes(numel: int, density: float, value_bytes: int = 2) -> in
     return k * value_bytes + index_bytes(numel, k)
 
 
+#: Low-bit values: elements that share one scale (absmax of the block / the largest code).
+QUANT_BLOCK_ELEMENTS = 128
+#: Bits per value of the low-bit codecs, by the names the API accepts.
+QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+#: A block's scale travels as one fp32 (dequantisation is then bit-identical everywhere).
+QUANT_SCALE_BYTES = 4
+
+
+def quant_blocks(numel: int, block: int = QUANT_BLOCK_ELEMENTS) -> int:
+    return -(-numel // block) if numel > 0 else 0
+
+
+def quantized_bytes(numel: int, bits: int, block: int = QUANT_BLOCK_ELEMENTS) -> int:
+    """Bytes of a low-bit payload of `numel` values: one fp32 scale per block of `block`
+    values, then the codes, `bits` each, packed (int4: two per byte, the last byte
+    half-used when `numel` is odd)."""
+    if numel <= 0:
+        return 0
+    if bits not in (4, 8):
+        raise ValueError(f"bits: 4 or 8, got {bits}")
+    return quant_blocks(numel, block) * QUANT_SCALE_BYTES + math.ceil(numel * bits / 8)
+
+
 def ring_chunks(numel: int, parts: int) -> list[int]:
     """Element counts of the chunks a ring collective splits a tensor into."""
     base, extra = divmod(numel, parts)

@@ -62,11 +62,17 @@ def job(
     dtype: str = "fp32",
     wan: str = "none",
     density: float | None = None,
+    every: int | None = None,
+    values: str | None = None,
     **extra: Any,
 ) -> JobSpec:
     compression: dict[str, Any] = {"wan": wan}
     if density is not None:
         compression["density"] = density
+    if every is not None:
+        compression["every"] = every
+    if values is not None:
+        compression["values"] = values
     doc = {
         "name": "test-job",
         "model": {

@@ -56,9 +56,9 @@ def solver_line(s: SolverReport) -> str:
 
 def render_plan(plan: Plan, topology: Topology, console: Console) -> None:
     par = plan.parallel
-    comp = plan.compression.wan.value
-    if comp == "topk":
-        comp += f" (density {plan.compression.effective_density:g})"
+    comp = plan.compression.summary
+    if plan.wan_auto is not None:
+        comp += f" (wan: auto — {plan.wan_auto.reason})"
     console.print(
         f"[bold]{plan.job}[/]: dp={par.dp} × tp={par.tp} × pp={par.pp} = {par.world_size} GPUs, "
         f"{plan.micro_batches} micro-batches per replica, WAN compression {comp}, "

@@ -6,7 +6,11 @@ Two entry points (DESIGN.md §6):
         state = WanSyncState(site_of_rank=[...], compression="topk", density=0.001)
         ddp.register_comm_hook(state, wan_sync_hook)
 
-  - for the 3D runtime, per stage: `sync_gradients(state, grads)`.
+  - for the 3D runtime, per stage: `sync_gradients(state, grads)`;
+  - outer-step sync (DiLoCo): `WanSyncState(..., compression="outer")` averages inside each
+    site every step, `OuterStep(state, params, every=H, values="int8")` exchanges the
+    pseudo-gradient across sites every H steps (`outer.after_step()` after each
+    optimizer step).
 `state.bytes_sent` gives the bytes this rank sent, by link class ("intra_node",
 "intra_site", "wan").
 
@@ -19,6 +23,7 @@ every worker counts its bytes in one `Traffic` and every failed collective is a
 from cpn.comm.errors import CommError
 from cpn.comm.groups import Member, SiteGroups, build_site_groups, new_groups
 from cpn.comm.hook import wan_sync_hook
+from cpn.comm.outer import OUTER_VALUES, OuterStep
 from cpn.comm.schedule import SparseSchedule, choose_wan_compression
 from cpn.comm.state import WanSyncState
 from cpn.comm.sync import compress, sync_flat, sync_gradients
@@ -26,9 +31,11 @@ from cpn.comm.traffic import LINK_CLASSES, LinkClass, Traffic
 
 __all__ = [
     "LINK_CLASSES",
+    "OUTER_VALUES",
     "CommError",
     "LinkClass",
     "Member",
+    "OuterStep",
     "SiteGroups",
     "SparseSchedule",
     "Traffic",

@@ -2,11 +2,17 @@
 
 DDP hands the hook one fused bucket of gradients at a time, in the order they become
 ready, and expects a future of the averaged bucket (DDP does not divide by the world size
-when a hook is registered). The sync here is blocking, so the future is already complete
-when it is returned; DDP still overlaps the remaining backward pass with buckets that are
-not ready yet. A bucket whose average is not finite comes back as it is (an AMP
-GradScaler sees the inf and skips the step) and leaves the error-feedback state alone;
-`state.skipped_steps` counts such steps.
+when a hook is registered). With `state.overlap` (the default) the bucket's sync runs on
+the state's one comm thread and the future completes when its exchange is done: the
+backward pass of earlier layers goes on while later buckets cross the WAN, and DDP waits
+for every future at the end of backward. One thread runs the buckets in the order they
+came, so the collectives, the byte counts and the results are those of the blocking sync
+(tested bit for bit). `overlap=False` syncs in the hook and returns a completed future.
+
+A bucket whose average is not finite comes back as it is (an AMP GradScaler sees the inf
+and skips the step) and leaves the error-feedback state alone; `state.skipped_steps`
+counts such steps. A collective that fails fails the future, and DDP's backward raises
+its `CommError`.
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
@@ -30,9 +36,21 @@ def wan_sync_hook(state: WanSyncState, bucket: GradBucket) -> torch.futures.Futu
         slots, sizes = [-1 - bucket.index()], [buf.numel()]
     else:
         slots = state.slots_of(params)
-    averaged = sync_flat(state, buf, slots, sizes).to(buf.dtype)
-    if bucket.is_last():
-        state.end_step()
+    last = bucket.is_last()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(averaged)
+
+    def work() -> None:
+        try:
+            averaged = sync_flat(state, buf, slots, sizes).to(buf.dtype)
+            if last:
+                state.end_step()
+        except Exception as exc:  # DDP's backward raises it (torch types it oddly)
+            fut.set_exception(exc)  # type: ignore[arg-type]
+        else:
+            fut.set_result(averaged)
+
+    if state.overlap:
+        state.comm_thread().submit(work)
+    else:
+        work()
     return fut

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -25,10 +26,12 @@ from cpn.comm.groups import SiteGroups, build_site_groups
 from cpn.comm.schedule import SparseSchedule
 from cpn.comm.traffic import Traffic
 
-Compression = Literal["none", "fp16", "bf16", "topk", "auto"]
+Compression = Literal["none", "fp16", "bf16", "topk", "auto", "int8", "int4", "outer"]
 Hierarchy = Literal["leader", "sharded", "flat"]
 
-COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16", "topk", "auto")
+COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16", "topk", "auto", "int8", "int4", "outer")
+#: Modes whose exchanging ranks keep an error-feedback residual.
+FEEDBACK: tuple[str, ...] = ("topk", "auto", "int8", "int4")
 HIERARCHIES: tuple[str, ...] = ("leader", "sharded", "flat")
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: `compression="auto"` starts with this many dense fp16 steps unless told otherwise.
@@ -47,8 +50,11 @@ class WanSyncState:
       groups: the data-parallel groups (disjoint rank lists); default: the whole world.
       site_groups: groups already built by `build_site_groups` (shared between states).
       compression: across sites, "none" (dense, in `wire_dtype`), "fp16", "bf16", "topk"
-        (top-k with error feedback at `density`) or "auto" (dense fp16 for `dense_steps`,
-        default 50, then top-k).
+        (top-k with error feedback at `density`), "auto" (dense fp16 for `dense_steps`,
+        default 50, then top-k), "int8"/"int4" (every value, quantised with one scale per
+        `quant_block` values, error feedback) or "outer" (gradients are averaged inside
+        each site only; an `OuterStep` exchanges pseudo-gradients across sites every H
+        steps: `cpn.comm.outer`).
       density: fraction of each bucket's entries a site sends under top-k, in (0, 1].
       hierarchy: "leader" (reduce to a site leader, leaders exchange, broadcast back),
         "sharded" (reduce-scatter in the site, each local rank exchanges its shard across
@@ -57,6 +63,7 @@ class WanSyncState:
       wire_dtype: dtype inside the site and of dense "none" exchanges; default fp32.
       value_dtype: dtype of top-k values on the WAN ("fp16", "bf16" or "fp32").
       bucket_elements: tensor fusion cap for `sync_gradients` (DDP hooks use DDP's buckets).
+      quant_block: values sharing one scale under "int8"/"int4".
       warmup_steps, warmup_density: top-k density ramps geometrically from warmup_density
         to density over this many steps (DGC's warm-up).
       dense_steps: dense fp16 steps before top-k starts (residuals carried through).
@@ -70,6 +77,9 @@ class WanSyncState:
         (needed for `state_dict` to load into a new process); default: first-seen order.
       traffic: the byte counter to add to (the runtime passes the worker's own, shared by
         all its collectives); default: a fresh one, read through `bytes_sent`.
+      overlap: the DDP hook syncs each bucket on a comm thread of its own and returns a
+        future that completes when the bucket's exchange is done, so backward goes on
+        meanwhile (`cpn.comm.hook`); False: the hook blocks.
     """
 
     def __init__(
@@ -84,6 +94,7 @@ class WanSyncState:
         wire_dtype: torch.dtype = torch.float32,
         value_dtype: str = "fp16",
         bucket_elements: int = wire.DEFAULT_BUCKET_ELEMENTS,
+        quant_block: int = wire.QUANT_BLOCK_ELEMENTS,
         warmup_steps: int = 0,
         warmup_density: float = 0.25,
         dense_steps: int | None = None,
@@ -93,6 +104,7 @@ class WanSyncState:
         seed: int = 0,
         parameters: Iterable[torch.nn.Parameter] | None = None,
         traffic: Traffic | None = None,
+        overlap: bool = True,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(
@@ -110,6 +122,8 @@ class WanSyncState:
             raise ValueError(
                 f"value_dtype: must be one of {', '.join(VALUE_DTYPES)}, got {value_dtype!r}"
             )
+        if quant_block < 1:
+            raise ValueError(f"quant_block: must be ≥ 1, got {quant_block}")
         if bucket_elements < 1:
             raise ValueError(f"bucket_elements: must be ≥ 1, got {bucket_elements}")
         if not 0.0 <= momentum < 1.0:
@@ -119,10 +133,13 @@ class WanSyncState:
         if timeout.total_seconds() <= 0:
             raise ValueError(f"timeout: must be positive, got {timeout}")
         sparse = compression in ("topk", "auto")
-        if hierarchy == "flat" and sparse:
+        if hierarchy == "flat" and compression in (*FEEDBACK, "outer"):
             raise ValueError(
-                "hierarchy: 'flat' is the dense baseline; use 'leader' or 'sharded' with top-k"
+                "hierarchy: 'flat' is the dense baseline; use 'leader' or 'sharded' with "
+                f"compression {compression!r}"
             )
+        if hierarchy == "sharded" and compression == "outer":
+            raise ValueError("hierarchy: 'outer' syncs through site leaders; use 'leader'")
         if dense_steps is None:
             dense_steps = AUTO_DENSE_STEPS if compression == "auto" else 0
         self.schedule = SparseSchedule(
@@ -142,6 +159,7 @@ class WanSyncState:
         self.wire_dtype = wire_dtype
         self.value_dtype = VALUE_DTYPES[value_dtype]
         self.bucket_elements = bucket_elements
+        self.quant_block = quant_block
         self.momentum = float(momentum)
         self.clip_norm = clip_norm
         self.timeout = timeout
@@ -156,6 +174,8 @@ class WanSyncState:
         #: feedback it could not map onto its layout).
         self.flush_next = False
         self.traffic = traffic if traffic is not None else Traffic()
+        self.overlap = bool(overlap)
+        self._comm_thread: ThreadPoolExecutor | None = None
         #: Error-feedback residual and DGC velocity per parameter slot (exchanging ranks).
         self.residuals: dict[int, torch.Tensor] = {}
         self.velocities: dict[int, torch.Tensor] = {}
@@ -170,6 +190,22 @@ class WanSyncState:
         return self.compression in ("topk", "auto")
 
     @property
+    def feedback(self) -> bool:
+        """Whether the exchanging ranks keep error-feedback residuals (top-k, int8, int4)."""
+        return self.compression in FEEDBACK
+
+    @property
+    def quant_bits(self) -> int | None:
+        """Bits per WAN value under "int8"/"int4", else None."""
+        return wire.QUANT_BITS.get(self.compression)
+
+    @property
+    def in_site_only(self) -> bool:
+        """Under "outer" the per-step sync stays inside the site (sites drift apart until
+        the next outer step)."""
+        return self.compression == "outer"
+
+    @property
     def density(self) -> float:
         return self.schedule.density
 
@@ -180,10 +216,15 @@ class WanSyncState:
         return self.wire_dtype != torch.float32 or self.compression in ("fp16", "bf16")
 
     @property
+    def averaged_over(self) -> int:
+        """How many ranks one step's gradient is averaged over: the group, or the site."""
+        return self.groups.local.size if self.in_site_only else self.groups.world
+
+    @property
     def feedback_scale(self) -> float:
         """Residuals and velocities × this = sums of gradients (checkpoints store them so,
         whatever the group size of the run that reads them)."""
-        return float(self.groups.world) if self.prescaled else 1.0
+        return float(self.averaged_over) if self.prescaled else 1.0
 
     @property
     def bytes_sent(self) -> dict[str, int]:
@@ -201,6 +242,12 @@ class WanSyncState:
         if buf is None or buf.numel() != numel or buf.device != device:
             buf = store[slot] = torch.zeros(numel, device=device)
         return buf
+
+    def comm_thread(self) -> ThreadPoolExecutor:
+        """The one thread that runs this state's overlapped bucket syncs, in order."""
+        if self._comm_thread is None:
+            self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpn-comm")
+        return self._comm_thread
 
     def end_step(self) -> bool:
         """Close a step: advance the schedule; True if the step's gradient was not finite."""

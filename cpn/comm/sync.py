@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cpn import wire
-from cpn.comm import codec
+from cpn.comm import codec, quant
 from cpn.comm.collectives import (
     all_gather,
     all_gather_flat,
@@ -119,6 +119,47 @@ class _Window:
         _scatter_state(store, self.slots, self.sizes, full)
 
 
+def send_with_feedback(
+    state: WanSyncState,
+    acc: torch.Tensor,
+    member: Member,
+    *,
+    finite: bool,
+    density: float | None,
+    bits: int | None,
+    seed_step: int,
+    what: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum over `member` of what each member sends of its accumulator `acc` (fp32).
+
+    `bits` (8 or 4): every value, quantised (`cpn.comm.quant`); else the top-k at
+    `density` (`compress`, `cpn.comm.codec`). Payloads are all-gathered and summed in group
+    order, so every member gets the same sum. `acc` keeps what was not sent (error
+    feedback). When `finite` is False the payload says so (NaN values or scales), so
+    every member sees a non-finite sum. Returns (sum, the top-k indices or None).
+    """
+    numel, traffic = acc.numel(), state.traffic
+    total = torch.zeros(numel, device=acc.device)
+    if bits is not None:
+        payload, _ = quant.quantize_feedback(acc, bits, state.quant_block)
+        if not finite:
+            quant.poison(payload, numel, state.quant_block)
+        for part in all_gather(payload, member, traffic, "wan", what=f"{what} (int{bits})"):
+            total += quant.dequantize(part, numel, bits, state.quant_block)
+        return total, None
+    assert density is not None
+    k = wire.topk_count(numel, density)
+    gen = torch.Generator().manual_seed(state.seed * 1_000_003 + seed_step)
+    idx, values = compress(acc, k, state.value_dtype, gen)
+    if not finite:
+        values.fill_(float("nan"))  # tells every site that this step is void
+    payload = codec.encode(values, idx, numel, state.value_dtype)
+    for part in all_gather(payload, member, traffic, "wan", what=f"{what} (top-k)"):
+        vals, where = codec.decode(part, numel, k, state.value_dtype)
+        total.index_add_(0, where, vals)
+    return total, idx
+
+
 def _exchange(
     state: WanSyncState, v: torch.Tensor, window: _Window, member: Member, sum_of: int
 ) -> tuple[torch.Tensor, Commit]:
@@ -128,7 +169,7 @@ def _exchange(
     commits only once it knows the whole result is finite.
     """
     traffic = state.traffic
-    if not state.sparse:
+    if not state.feedback:
         dtype = _DENSE_WAN_DTYPES.get(state.compression, state.wire_dtype)
         total = all_reduce(saturate(v, dtype), member, traffic, "wan", what="the WAN exchange")
         return total.to(torch.float32), _nothing
@@ -155,8 +196,8 @@ def _exchange(
         if state.momentum > 0:
             window.save(state.velocities, vel_full)
 
-    density = None if state.flush_next else state.schedule.at(state.step)
-    if density is None:
+    density = state.schedule.at(state.step) if state.sparse else 1.0
+    if state.flush_next or density is None:
         # Dense fp16 step: send the whole accumulator, keep its rounding error.
         sent = saturate(acc, torch.float16)
         acc -= sent.to(torch.float32)
@@ -165,19 +206,23 @@ def _exchange(
         total = all_reduce(sent, member, traffic, "wan", what="the WAN exchange (dense step)")
         return total.to(torch.float32), commit
 
-    numel = acc.numel()
-    k = wire.topk_count(numel, density)
-    gen = torch.Generator().manual_seed(state.seed * 1_000_003 + state.step)
-    idx, values = compress(acc, k, state.value_dtype, gen)
+    total, idx = send_with_feedback(
+        state,
+        acc,
+        member,
+        finite=finite,
+        density=density,
+        bits=state.quant_bits,
+        seed_step=state.step,
+        what="the WAN exchange",
+    )
     if state.momentum > 0:
-        u[idx] = 0.0  # momentum factor masking: sent entries restart their velocity
-    if not finite:
-        values.fill_(float("nan"))  # tells every site that this step is void
-    payload = codec.encode(values, idx, numel, state.value_dtype)
-    total = torch.zeros(numel, device=v.device)
-    for part in all_gather(payload, member, traffic, "wan", what="the WAN exchange (top-k)"):
-        vals, where = codec.decode(part, numel, k, state.value_dtype)
-        total.index_add_(0, where, vals)
+        # Momentum factor masking: sent entries restart their velocity (all of them when
+        # every value is sent, quantised).
+        if idx is None:
+            u.zero_()
+        else:
+            u[idx] = 0.0
     return total, commit
 
 
@@ -205,7 +250,7 @@ def _leader(
     commit = _nothing
     if g.leaders is not None:  # this rank leads its site
         total = site_sum.to(torch.float32)
-        if g.leaders.size > 1:
+        if g.leaders.size > 1 and not state.in_site_only:
             window = _Window(state, slots, sizes, 0, flat.numel())
             total, commit = _exchange(state, total, window, g.leaders, g.local.size)
         out = saturate(total, state.wire_dtype)
@@ -259,8 +304,9 @@ def sync_flat(
     if flat.numel() == 0 or world == 1:
         return flat.to(torch.float32).clone()
     x = flat.to(torch.float32)
+    n = state.averaged_over
     if state.prescaled:
-        x = x / world
+        x = x / n
     if state.hierarchy == "flat":
         total, commit = _flat(state, x)
     elif state.hierarchy == "sharded" and len(state.groups.sites) > 1:
@@ -271,7 +317,7 @@ def sync_flat(
         commit()
     else:
         state.mark_not_finite()
-    return total if state.prescaled else total / world
+    return total if state.prescaled else total / n
 
 
 def sync_gradients(state: WanSyncState, grads: Sequence[torch.Tensor]) -> bool:

@@ -30,6 +30,29 @@ class WanCompression(StrEnum):
     NONE = "none"  # the gradient dtype, dense
     FP16 = "fp16"  # dense, cast to fp16
     TOPK = "topk"  # top-k sparsified with error feedback, fp16 values + compact indices
+    INT8 = "int8"  # every value as int8, one fp32 scale per block, error feedback
+    INT4 = "int4"  # every value as int4, one fp32 scale per block, error feedback
+    OUTER = "outer"  # DiLoCo: in-site sync every step, pseudo-gradients every `every` steps
+    AUTO = "auto"  # the scheduler picks one of the above from the measured WAN (`target`)
+
+
+class OuterValues(StrEnum):
+    """How outer-step pseudo-gradients cross the WAN (`compression.values`)."""
+
+    DENSE = "dense"  # the gradient dtype
+    FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
+    TOPK = "topk"
+
+    @property
+    def feedback(self) -> bool:
+        """Whether the sender keeps what it could not send (error feedback)."""
+        return self in (OuterValues.INT8, OuterValues.INT4, OuterValues.TOPK)
+
+
+#: Inner steps between outer steps unless the job says (`compression.every`).
+DEFAULT_OUTER_EVERY = 32
 
 
 class _Strict(BaseModel):
@@ -97,7 +120,7 @@ class CompressionSpec(_Strict):
         gt=0,
         le=1,
         allow_inf_nan=False,
-        description="fraction of gradient entries sent (topk only)",
+        description="fraction of entries sent (wan: topk, or wan: outer with values: topk)",
     )
     warmup_steps: int | None = Field(
         default=None,
@@ -105,21 +128,85 @@ class CompressionSpec(_Strict):
         le=INT32_MAX,
         description="steps over which top-k density ramps from 25 % down to `density`",
     )
+    every: int | None = Field(
+        default=None,
+        ge=1,
+        le=INT32_MAX,
+        description="wan: outer — inner steps between outer steps (H, default 32)",
+    )
+    values: OuterValues | None = Field(
+        default=None, description="wan: outer — how pseudo-gradients cross the WAN (fp16)"
+    )
+    outer_lr: float | None = Field(
+        default=None, gt=0, le=10, allow_inf_nan=False, description="wan: outer (0.7)"
+    )
+    outer_momentum: float | None = Field(
+        default=None, ge=0, lt=1, allow_inf_nan=False, description="wan: outer (0.9)"
+    )
+    target: float | None = Field(
+        default=None,
+        gt=0,
+        le=10,
+        allow_inf_nan=False,
+        description="wan: auto — the WAN sync's share of an iteration's compute time (0.1)",
+    )
 
     @model_validator(mode="after")
-    def _density_only_for_topk(self) -> CompressionSpec:
-        if self.density is not None and self.wan is not WanCompression.TOPK:
-            raise ValueError(f"density: only meaningful with wan: topk, not wan: {self.wan}")
+    def _fields_of_their_mode(self) -> CompressionSpec:
+        outer = self.wan is WanCompression.OUTER
+        if self.density is not None and not (
+            self.wan is WanCompression.TOPK or (outer and self.outer_values is OuterValues.TOPK)
+        ):
+            raise ValueError(
+                "density: only meaningful with wan: topk or wan: outer with values: topk, "
+                f"not wan: {self.wan}" + (f" with values: {self.outer_values}" if outer else "")
+            )
         if self.warmup_steps is not None and self.wan is not WanCompression.TOPK:
             raise ValueError(f"warmup_steps: only meaningful with wan: topk, not wan: {self.wan}")
+        for name in ("every", "values", "outer_lr", "outer_momentum"):
+            if getattr(self, name) is not None and not outer:
+                raise ValueError(f"{name}: only meaningful with wan: outer, not wan: {self.wan}")
+        if self.target is not None and self.wan is not WanCompression.AUTO:
+            raise ValueError(f"target: only meaningful with wan: auto, not wan: {self.wan}")
         return self
 
     @property
+    def summary(self) -> str:
+        """One line for logs and metrics: 'fp16', 'topk 0.001', 'outer H=32 int8'."""
+        if self.wan is WanCompression.OUTER:
+            values = self.outer_values.value
+            if self.outer_values is OuterValues.TOPK:
+                values += f" {self.effective_density:g}"
+            return f"outer H={self.outer_every} {values}"
+        if self.wan is WanCompression.TOPK:
+            return f"topk {self.effective_density:g}"
+        return self.wan.value
+
+    @property
+    def auto_target(self) -> float:
+        """wan: auto — the share of compute time the WAN sync may take (default 10 %)."""
+        return self.target if self.target is not None else 0.1
+
+    @property
+    def outer_every(self) -> int:
+        """H: inner steps per outer step (1 when not wan: outer)."""
+        if self.wan is not WanCompression.OUTER:
+            return 1
+        return self.every if self.every is not None else DEFAULT_OUTER_EVERY
+
+    @property
+    def outer_values(self) -> OuterValues:
+        return self.values if self.values is not None else OuterValues.FP16
+
+    @property
     def effective_density(self) -> float:
-        """Density of the sparse exchange (0.1 % unless given); 1.0 when not sparse."""
-        if self.wan is not WanCompression.TOPK:
-            return 1.0
-        return self.density if self.density is not None else 0.001
+        """Density of the sparse exchange (0.1 % under wan: topk, 1 % for outer top-k
+        pseudo-gradients, unless given); 1.0 when nothing is sparse."""
+        if self.wan is WanCompression.TOPK:
+            return self.density if self.density is not None else 0.001
+        if self.wan is WanCompression.OUTER and self.outer_values is OuterValues.TOPK:
+            return self.density if self.density is not None else 0.01
+        return 1.0
 
 
 class ConstraintsSpec(_Strict):
@@ -147,6 +234,11 @@ class JobSpec(_Strict):
         if self.parallel == "auto":
             if self.gpus is None:
                 raise ValueError("gpus: required with parallel: auto (the GPU budget)")
+            if self.compression.wan is WanCompression.AUTO:
+                raise ValueError(
+                    "compression.wan: auto needs a fixed layout (parallel: {dp, tp, pp}); "
+                    "with parallel: auto name the WAN sync"
+                )
             return self
         par = self.parallel
         if self.gpus is not None and self.gpus != par.world_size:

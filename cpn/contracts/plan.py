@@ -151,6 +151,20 @@ class Binding(_Model):
         )
 
 
+class WanAutoChoice(_Model):
+    """What `compression: {wan: auto}` resolved to, from the measured WAN (the scheduler's
+    `cpn.scheduler.wan_auto`)."""
+
+    compression: CompressionSpec
+    summary: str = Field(max_length=200, description="e.g. 'outer H=32 int8'")
+    reason: str = Field(max_length=2000, description="the figures the choice rests on")
+    wan_gbps: _Finite | None = None
+    latency_ms: _Finite | None = None
+    share: _Finite | None = Field(
+        default=None, description="predicted WAN sync time ÷ compute time per iteration"
+    )
+
+
 class Plan(_Model):
     job: str
     binding: Binding | None = Field(
@@ -159,6 +173,9 @@ class Plan(_Model):
     objective: str = "wan_bytes"
     parallel: ParallelSpec
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    wan_auto: WanAutoChoice | None = Field(
+        default=None, description="set when the job asked for wan: auto: what was chosen, why"
+    )
     micro_batches: int = Field(
         ge=1, le=INT32_MAX, description="micro-batches per replica per iteration"
     )

@@ -11,9 +11,15 @@ All of it is `cpn.comm`'s (`WanSyncState`, `sync_gradients`), counted in the wor
     the baseline cpn's wide-area sync is measured against.
 What goes where follows the cost model (`cpn.costmodel`), so that the bytes this worker
 counts equal the plan's prediction: in the site the whole gradient in the training dtype;
-across sites a dense ring among site leaders (`none`/`fp16`) or the leaders' top-k
-payloads, all-gathered. Gradients are fused into `cpn.wire.fuse` buckets over the
-parameters each exchange covers, the buckets the cost model predicts from.
+across sites a dense ring among site leaders (`none`/`fp16`) or the leaders' top-k or
+low-bit (`int8`/`int4`) payloads, all-gathered. Gradients are fused into `cpn.wire.fuse`
+buckets over the parameters each exchange covers, the buckets the cost model predicts from.
+
+Under `wan: outer` (DiLoCo) the per-step sync stays inside the site and `after_step`
+runs a `cpn.comm.OuterStep` every H steps: the pseudo-gradients cross the WAN with the
+job's `values` (tp > 1 with int8/int4/top-k values: the parameters held whole go dense, as
+above). `finish` runs a last outer step at the end of training when steps since the last
+one remain, so that a run always ends with one model.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from typing import Any, Literal
 import torch
 
 from cpn import wire
-from cpn.comm import Traffic, WanSyncState, build_site_groups, sync_gradients
-from cpn.contracts.job import JobSpec, WanCompression
+from cpn.comm import OuterStep, Traffic, WanSyncState, build_site_groups, sync_gradients
+from cpn.comm.outer import OUTER_LR, OUTER_MOMENTUM
+from cpn.contracts.job import JobSpec, OuterValues, WanCompression
 from cpn.gpt_shapes import stage_parameters
 from cpn.train.layout import Layout
 
@@ -60,9 +67,14 @@ class DataParallelSync:
         par = layout.plan.parallel
         # Collective: every worker builds the groups of every data-parallel group.
         groups = build_site_groups(layout.site_of_rank, layout.dp_groups, timeout=timeout)
-        wan = job.compression.wan
+        comp = job.compression
+        wan = comp.wan
+        self.outer = mode == "hierarchical" and wan is WanCompression.OUTER
+        feedback = wan in (WanCompression.TOPK, WanCompression.INT8, WanCompression.INT4) or (
+            self.outer and comp.outer_values.feedback
+        )
         shapes = stage_parameters(job.model, par.pp, par.tp, layout.me.stage)
-        whole_dense = mode == "hierarchical" and wan is WanCompression.TOPK and par.tp > 1
+        whole_dense = mode == "hierarchical" and feedback and par.tp > 1
         self.sparse_positions = [i for i, p in enumerate(shapes) if not whole_dense or p.sharded]
         self.dense_positions = [i for i, p in enumerate(shapes) if whole_dense and not p.sharded]
         self.numels = [p.numel for p in shapes]
@@ -80,18 +92,68 @@ class DataParallelSync:
         else:
             self.main = WanSyncState(
                 layout.site_of_rank,
-                compression=wan.value,  # none | fp16 | topk: the library's names
-                density=job.compression.effective_density,
+                compression=wan.value,  # none | fp16 | topk | int8 | int4 | outer
+                density=comp.effective_density,
                 warmup_steps=default_warmup_steps(job),
                 seed=job.train.seed,
                 **common,
             )
         self.whole = (
-            WanSyncState(layout.site_of_rank, compression="none", **common)
+            WanSyncState(
+                layout.site_of_rank, compression="outer" if self.outer else "none", **common
+            )
             if self.dense_positions
             else None
         )
         self._pending: dict[int, torch.Tensor] = {}
+        self._job = job
+        #: Under `wan: outer`, the outer steps of `main` and `whole` (`attach`).
+        self.outer_steps: list[OuterStep] = []
+
+    def attach(self, params: Sequence[torch.Tensor]) -> None:
+        """Give the outer steps the stage's parameters (module order), once, before the
+        first step; nothing to do unless `wan: outer`."""
+        if not self.outer:
+            return
+        comp = self._job.compression
+        kw: dict[str, Any] = {
+            "every": comp.outer_every,
+            "lr": comp.outer_lr if comp.outer_lr is not None else OUTER_LR,
+            "momentum": comp.outer_momentum if comp.outer_momentum is not None else OUTER_MOMENTUM,
+        }
+        self.outer_steps = [
+            OuterStep(
+                self.main,
+                [params[i] for i in self.sparse_positions],
+                values=comp.outer_values.value,
+                density=comp.effective_density,
+                **kw,
+            )
+        ]
+        if self.whole is not None:
+            dense = [params[i] for i in self.dense_positions]
+            self.outer_steps.append(
+                OuterStep(self.whole, dense, values=OuterValues.DENSE.value, **kw)
+            )
+
+    def after_step(self) -> bool:
+        """After each optimizer step: the outer step when H steps have passed (True)."""
+        ran = [outer.after_step() for outer in self.outer_steps]
+        return any(ran)
+
+    def finish(self) -> bool:
+        """At the end of training: a last outer step if inner steps remain since one."""
+        if not self.outer_steps or self.outer_steps[0].inner_steps == 0:
+            return False
+        for outer in self.outer_steps:
+            outer.sync()
+        return True
+
+    @property
+    def at_outer_boundary(self) -> bool:
+        """Whether every replica holds the same parameters (always, unless `wan: outer`
+        is between two outer steps): when a checkpoint may be written."""
+        return all(outer.inner_steps == 0 for outer in self.outer_steps)
 
     def flush(self, mass: dict[int, torch.Tensor]) -> None:
         """Sync the next step dense, adding `mass` (by parameter position, in sums of
@@ -130,9 +192,12 @@ class DataParallelSync:
         return {
             "main": self.main.state_dict(),
             "whole": self.whole.state_dict() if self.whole is not None else None,
+            "outer": [outer.state_dict() for outer in self.outer_steps],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.main.load_state_dict(state["main"])
         if self.whole is not None and state.get("whole") is not None:
             self.whole.load_state_dict(state["whole"])
+        for outer, saved in zip(self.outer_steps, state.get("outer", []), strict=False):
+            outer.load_state_dict(saved)

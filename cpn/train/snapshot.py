@@ -11,6 +11,14 @@ Every tensor is keyed by what it is in the whole model, never by rank:
     by site name and split like the parameter;
   - `train/step`, `optim/step`, `comm/step`, `comm/skipped`: counters, equal on every rank.
 
+Under `wan: outer` (DiLoCo) a checkpoint is written only right after an outer step, when
+every replica holds the same parameters (they are the outer anchor then). The inner
+AdamW moments still differ by site: they are saved per site,
+`optim/site/<site>/<name>/exp_avg`, and a site that is not in the checkpoint starts from
+the first saved site's. The outer optimizer's Nesterov momentum is the same everywhere
+(`outer/<name>/momentum`); the outer error feedback is a site's memory like the per-step
+one (`comm/outer/<site>/<name>`), dropped with a log line when its site is gone.
+
 A run that resumes on another layout gets every parameter and moment exactly. Error
 feedback of a site that no longer holds the stage (or of a parameter now synced dense) has
 no place to go: its mass is added once to the gradient of the first site's leader and
@@ -69,6 +77,7 @@ class Resumed:
     step: int
     flushed_sites: list[str] = field(default_factory=list)
     dropped_velocity_sites: list[str] = field(default_factory=list)
+    dropped_outer_sites: list[str] = field(default_factory=list)
 
 
 class WorkerSnapshot:
@@ -113,14 +122,30 @@ class WorkerSnapshot:
     def _site_state(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """(kind, parameter name, local buffer) of the error feedback this worker keeps."""
         state = self.sync.main
-        if not state.sparse or state.groups.leaders is None:
+        if state.groups.leaders is None:
             return
+        outer = self.sync.outer_steps[0].residuals if self.sync.outer_steps else {}
         for slot, position in enumerate(self.sync.sparse_positions):
             name = self.names[position]
             if slot in state.residuals:
                 yield "residual", name, state.residuals[slot]
             if slot in state.velocities:
                 yield "velocity", name, state.velocities[slot]
+            if slot in outer:
+                yield "outer", name, outer[slot]
+
+    def _outer_momenta(self) -> Iterator[tuple[str, torch.optim.SGD, torch.Tensor]]:
+        """(parameter name, outer optimizer, its anchor) for every parameter under
+        `wan: outer`."""
+        positions = [self.sync.sparse_positions, self.sync.dense_positions]
+        for outer, where in zip(self.sync.outer_steps, positions, strict=False):
+            for anchor, position in zip(outer.anchors, where, strict=True):
+                yield self.names[position], outer.optimizer, anchor
+
+    def _moment_key(self, name: str, moment: str) -> str:
+        if self.sync.outer:
+            return f"optim/site/{self.layout.me.site}/{name}/{moment}"
+        return f"optim/{name}/{moment}"
 
     def state_dict(self, step: int, *, copy: bool) -> dict[str, Any]:
         """The tensors to save; `copy` for an asynchronous save (training goes on)."""
@@ -137,7 +162,7 @@ class WorkerSnapshot:
             st = self.optimizer.state.get(p, {})
             for moment in ("exp_avg", "exp_avg_sq"):
                 if moment in st:
-                    out[f"optim/{name}/{moment}"] = _dtensor(
+                    out[self._moment_key(name, moment)] = _dtensor(
                         piece(name, st[moment]), self.shards[name], stage_mesh, 1
                     )
             if "step" in st:
@@ -145,11 +170,23 @@ class WorkerSnapshot:
         out["optim/step"] = torch.tensor(optimizer_step, device="cpu")
         out["comm/step"] = torch.tensor(self.sync.main.step, device="cpu")
         out["comm/skipped"] = torch.tensor(self.sync.skipped_steps, device="cpu")
+        for name, opt, anchor in self._outer_momenta():
+            buf = opt.state.get(anchor, {}).get("momentum_buffer")
+            if buf is not None:
+                out[f"outer/{name}/momentum"] = _dtensor(
+                    piece(name, buf), self.shards[name], stage_mesh, 1
+                )
+        if self.sync.outer_steps:
+            first = self.sync.outer_steps[0]
+            out["outer/steps"] = torch.tensor(first.outer_steps, device="cpu")
+            out["outer/skipped"] = torch.tensor(first.skipped, device="cpu")
         site = self.layout.me.site
         scale = self.sync.main.feedback_scale
         for kind, name, buf in self._site_state():
             # In sums of gradients, whatever this run's group size (`feedback_scale`).
-            kept = piece(name, buf) if scale == 1.0 else piece(name, buf) * scale
+            # (Outer-step residuals are in shares of the mean pseudo-gradient already.)
+            unscaled = scale == 1.0 or kind == "outer"
+            kept = piece(name, buf) if unscaled else piece(name, buf) * scale
             out[f"comm/{kind}/{site}/{name}"] = _dtensor(
                 kept, self.shards[name], self._tp_mesh(), 0
             )
@@ -180,15 +217,38 @@ class WorkerSnapshot:
             st["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
             for moment in ("exp_avg", "exp_avg_sq"):
                 st[moment] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                target[f"optim/{name}/{moment}"] = _dtensor(
+                saved = self._saved_moment_key(keys, name, moment)
+                if saved is None:
+                    continue
+                target[saved] = _dtensor(
                     self.shards[name].local_view(st[moment]), self.shards[name], stage_mesh, 1
                 )
+        for name, opt, anchor in self._outer_momenta():
+            key = f"outer/{name}/momentum"
+            if key in keys:
+                buf = torch.zeros_like(anchor, memory_format=torch.contiguous_format)
+                opt.state[anchor]["momentum_buffer"] = buf
+                target[key] = _dtensor(
+                    self.shards[name].local_view(buf), self.shards[name], stage_mesh, 1
+                )
+        if self.sync.outer_steps and "outer/steps" in keys:
+            target["outer/steps"] = torch.tensor(0, device="cpu")
+            target["outer/skipped"] = torch.tensor(0, device="cpu")
         resumed = Resumed(step=step)
         pending = self._site_targets(keys, target, resumed)
         self._read(store, step, target)
         optimizer_step = float(target["optim/step"])
         for _, p in self._params():
             self.optimizer.state[p]["step"].fill_(optimizer_step)
+        for outer in self.sync.outer_steps:
+            # Saved right after an outer step: the parameters are the anchor.
+            with torch.no_grad():
+                for anchor, param in zip(outer.anchors, outer.params, strict=True):
+                    anchor.copy_(param)
+            outer.inner_steps = 0
+            if "outer/steps" in target:
+                outer.outer_steps = int(target["outer/steps"])
+                outer.skipped = int(target["outer/skipped"])
         main = self.sync.main
         main.step = int(target["comm/step"])
         main.skipped_steps = int(target["comm/skipped"])
@@ -225,7 +285,18 @@ class WorkerSnapshot:
             if len(parts) != 4 or parts[0] != "comm" or parts[3] not in mine:
                 continue
             _, kind, owner, name = parts
-            here = owner in groups.sites and name in sparse_names and state.sparse
+            if kind == "outer":
+                outer = self.sync.outer_steps[0].residuals if self.sync.outer_steps else None
+                if outer is not None and owner == site and is_leader and name in sparse_names:
+                    target[key] = self._site_dtensor(
+                        name, self._buffer(outer, sparse_names[name], name)
+                    )
+                elif (
+                    owner not in groups.sites or outer is None
+                ) and owner not in resumed.dropped_outer_sites:
+                    resumed.dropped_outer_sites.append(owner)
+                continue
+            here = owner in groups.sites and name in sparse_names and state.feedback
             if kind == "velocity":
                 if here and owner == site and is_leader:
                     buf = self._buffer(state.velocities, sparse_names[name], name)
@@ -245,6 +316,20 @@ class WorkerSnapshot:
                 target[key] = self._site_dtensor(name, scratch)
                 pending.setdefault(name, []).append(target[key])
         return pending if flusher and pending else None
+
+    def _saved_moment_key(self, keys: dict[str, Any], name: str, moment: str) -> str | None:
+        """Where this worker's AdamW moment of `name` is in the checkpoint: its own site's
+        (outer-step runs save them per site), else the first saved site's, else the
+        replicated one; None if the checkpoint has none (saved before the first step)."""
+        mine = self._moment_key(name, moment)
+        if mine in keys:
+            return mine
+        plain = f"optim/{name}/{moment}"
+        if plain in keys:
+            return plain
+        suffix = f"/{name}/{moment}"
+        per_site = sorted(k for k in keys if k.startswith("optim/site/") and k.endswith(suffix))
+        return per_site[0] if per_site else None
 
     def _buffer(self, store: dict[int, torch.Tensor], slot: int, name: str) -> torch.Tensor:
         numel = self.params[name].numel()

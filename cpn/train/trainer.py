@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from cpn.comm import Traffic, new_groups
-from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, layout_problem
+from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, WanCompression, layout_problem
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
 from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable
@@ -165,6 +165,11 @@ def learning_rate(base: float, step: int, total: int) -> float:
 
 class Trainer:
     def __init__(self, plan: Plan, job: JobSpec, rank: int, opts: TrainOptions) -> None:
+        if job.compression.wan is WanCompression.AUTO:
+            # The scheduler chose the WAN sync from the measured links; the plan says which.
+            job = job.model_copy(update={"compression": plan.compression})
+            if plan.wan_auto is not None and rank == 0:
+                log.info("wan: auto chose %s: %s", plan.wan_auto.summary, plan.wan_auto.reason)
         self.plan, self.job, self.rank, self.opts = plan, job, rank, opts
         self.layout = Layout(plan, rank)
         self.traffic = Traffic()
@@ -207,6 +212,7 @@ class Trainer:
         stage = GPTStage(cfg, layout.me.stage, self.plan.parallel.pp, seed=job.train.seed)
         tp = TensorParallel(tp_group, self.traffic, self.wire_dtype)
         self.module = parallelize(stage, tp).to(self.device)
+        self.sync.attach(list(self.module.parameters()))
         self.pipeline = PipelineStage(
             self.module, layout, tp_group, self.traffic, self.wire_dtype, self.device,
             self.opts.schedule,
@@ -278,6 +284,11 @@ class Trainer:
                 "dense step",
                 ", ".join(resumed.flushed_sites),
             )
+        if resumed.dropped_outer_sites:
+            log.warning(
+                "outer-step error feedback of sites %s dropped (not in this layout)",
+                ", ".join(resumed.dropped_outer_sites),
+            )
         if resumed.dropped_velocity_sites:
             log.warning(
                 "DGC velocities of sites %s dropped (not in this layout)",
@@ -337,6 +348,14 @@ class Trainer:
                 else:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                done = step + 1
+                outer_start = time.perf_counter()
+                # wan: outer — every H steps (and once more at the end of training, so
+                # that the run ends with one model) the sites exchange pseudo-gradients.
+                outer = self.sync.after_step()
+                if done == total:
+                    outer = self.sync.finish() or outer
+                times.dp_sync += time.perf_counter() - outer_start
                 after = self.traffic.snapshot()
                 record = {
                     "step": step,
@@ -348,6 +367,8 @@ class Trainer:
                     "device": str(self.device),
                     "loss": loss,
                     "skipped": skipped,
+                    "outer_step": outer,
+                    "wan_sync": job.compression.summary,
                     "tokens": len(batches) * job.train.micro_batch * job.model.seq_len,
                     "seconds": {
                         "step": time.perf_counter() - began,
@@ -361,9 +382,17 @@ class Trainer:
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
-                done = step + 1
                 if self.store is not None and ((every and done % every == 0) or done == end):
-                    self._checkpoint(done)
+                    if self.sync.at_outer_boundary:
+                        self._checkpoint(done)
+                    else:
+                        # Between outer steps the sites hold different parameters: only
+                        # an outer step's result is one model to save.
+                        log.warning(
+                            "step %d: no checkpoint between outer steps (next at a multiple "
+                            "of compression.every)",
+                            done,
+                        )
         return history
 
     @contextmanager

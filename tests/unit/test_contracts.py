@@ -129,6 +129,24 @@ def test_bad_enum_and_density(job_doc: dict, tmp_path: Path) -> None:
     assert "only meaningful with wan: topk" in error_of(load_job, write(tmp_path, "c.yaml", doc))
 
 
+def test_outer_step_compression(job_doc: dict, tmp_path: Path) -> None:
+    doc = dict(job_doc, compression={"wan": "outer"})
+    spec = load_job(write(tmp_path, "o.yaml", doc)).compression
+    assert (spec.outer_every, spec.outer_values.value, spec.effective_density) == (32, "fp16", 1.0)
+    doc = dict(job_doc, compression={"wan": "outer", "every": 8, "values": "topk"})
+    spec = load_job(write(tmp_path, "t.yaml", doc)).compression
+    assert (spec.outer_every, spec.effective_density) == (8, 0.01)
+    bad = {
+        "d.yaml": ({"wan": "outer", "values": "int4", "density": 0.1}, "with values: int4"),
+        "e.yaml": ({"wan": "topk", "every": 8}, "every: only meaningful with wan: outer"),
+        "f.yaml": ({"wan": "outer", "values": "int2"}, "compression.values"),
+        "g.yaml": ({"wan": "outer", "every": 0}, "compression.every"),
+        "h.yaml": ({"wan": "fp16", "outer_lr": 0.5}, "outer_lr: only meaningful"),
+    }
+    for name, (comp, message) in bad.items():
+        assert message in error_of(load_job, write(tmp_path, name, dict(job_doc, compression=comp)))
+
+
 def test_malformed_files(tmp_path: Path) -> None:
     assert "no such file" in error_of(load_topology, tmp_path / "missing.yaml")
     assert "not valid YAML at line 2" in error_of(

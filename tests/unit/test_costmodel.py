@@ -90,6 +90,32 @@ def test_data_parallel_bytes_dense_fp16_and_sparse() -> None:
     assert flat.dp_wan_bytes(0, 2) == 2 * 1 * 2_340
 
 
+def test_low_bit_and_outer_step_bytes() -> None:
+    e0 = 30_432
+    # int8 per step, tp = 2: the 28 000 sharded elements as one bucket, 219 blocks of 128
+    # with an fp32 scale each, one byte per value; the 2 432 held whole go dense.
+    int8 = Workload.of(small_job(wan="int8"))
+    payload8 = 219 * 4 + 28_000
+    assert int8.sparse_payload(0) == payload8 == wire.quantized_bytes(28_000, 8)
+    assert int8.dp_wan_bytes(0, 3) == (3 * 2 * payload8 + 2 * 2 * 2_432 * 4) * 2
+    int4 = Workload.of(small_job(tp=1, wan="int4"))
+    assert int4.sparse_payload(0) == 457 * 4 + 58_432 // 2  # 58 432 values, 457 blocks
+    # Outer steps: one exchange every H iterations; per iteration ÷ H, rounded up.
+    outer = Workload.of(small_job(wan="outer", every=32, values="fp16"))
+    assert outer.dp_wan_bytes_per_sync(0, 2) == 2 * e0 * 2 * 2  # fp16 ring, × tp
+    assert outer.dp_wan_bytes(0, 2) == -(-(2 * e0 * 2 * 2) // 32)
+    assert outer.dp_wan_per_leader(0, 2) == pytest.approx(e0 * 2 * 2 / 32)
+    # In the site: reduce + broadcast every step, plus the mean's broadcast every H steps.
+    assert outer.dp_intra_bytes_per_sync(0, 3) == 2 * e0 * 4 * 2
+    assert outer.dp_intra_bytes(0, 3) == 2 * 2 * e0 * 4 * 2 + -(-(2 * e0 * 4 * 2) // 32)
+    dense_h1 = Workload.of(small_job(wan="outer", every=1, values="dense"))
+    assert dense_h1.dp_wan_bytes(0, 3) == Workload.of(small_job()).dp_wan_bytes(0, 3)
+    topk = Workload.of(small_job(tp=1, wan="outer", every=8, values="topk", density=0.01))
+    assert topk.dp_wan_bytes_per_sync(0, 2) == 2 * 1 * 2_340  # as per-step top-k at 1 %
+    # Per iteration: k(k − 1)·⌈payload / H⌉, convex in k for the scheduler.
+    assert topk.dp_wan_bytes(0, 2) == 2 * 293 and topk.dp_wan_bytes(0, 3) == 6 * 293
+
+
 def test_wire_sizes() -> None:
     assert wire.topk_count(1000, 0.001) == 1 and wire.topk_count(0, 0.5) == 0
     assert wire.topk_count(10, 1.0) == 10

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cpn.contracts import JobSpec, ParallelSpec, Reservations, Topology
+from cpn.contracts import CompressionSpec, JobSpec, ParallelSpec, Reservations, Topology
 from cpn.costmodel import Workload
 from cpn.errors import InfeasibleError, InputError
 from cpn.scheduler import Objective, SolverSettings, baselines, plan_job
@@ -238,6 +238,21 @@ def test_topk_spreads_data_parallelism_across_sites_and_dense_does_not() -> None
     w = Workload.of(sparse)
     assert plan.bytes_per_iteration.wan == w.dp_wan_bytes(0, 2) + w.dp_wan_bytes(1, 2)
     assert plan.bytes_per_iteration.wan < 2 * w.boundary_bytes
+
+
+def test_outer_steps_spread_data_parallelism_like_topk_and_the_plan_counts_them() -> None:
+    # Outer steps with int4 values every 64 steps: the WAN sync costs about 1/480 of a
+    # dense ring, so spreading the replicas over both sites is cheap, as under top-k.
+    topo, dense = compression_case("none")
+    outer = dense.model_copy(
+        update={"compression": CompressionSpec(wan="outer", every=64, values="int4")}
+    )
+    plan = plan_job(topo, outer, settings=FAST)
+    w = Workload.of(outer)
+    sites_per_stage = [len({s.site for s in plan.shards if s.stage == p}) for p in range(2)]
+    assert sites_per_stage == [2, 2]
+    assert plan.bytes_per_iteration.wan == w.dp_wan_bytes(0, 2) + w.dp_wan_bytes(1, 2)
+    assert 0 <= w.dp_wan_bytes(0, 2) * 64 - w.dp_wan_bytes_per_sync(0, 2) < 2 * 64
 
 
 def test_job_that_fits_nowhere_says_what_it_needs() -> None:

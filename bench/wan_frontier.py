@@ -1,0 +1,480 @@
+"""The loss / WAN-bytes frontier: every WAN sync mode, AdamW, several seeds, whole runs.
+
+    .venv/bin/python bench/wan_frontier.py --quick        # reduced: tiny GPT, 2 seeds, ~3 min
+    .venv/bin/python bench/wan_frontier.py --markdown --chart bench/wan_frontier.png
+    .venv/bin/python bench/wan_frontier.py --configs ddp,outer32-int4 --seeds 0,1,2
+
+A GPT (`cpn.train.model`) trained by 3 sites × 2 ranks (six processes, gloo on CPU, one
+thread each, through the runtime's launcher; `bench/wan_sync.py`'s worker), AdamW for
+every configuration (peak lr 3e-3, linear warm-up, cosine decay), the same model, tokens
+and schedule for every configuration of a seed. For each configuration and seed it
+measures the WAN bytes per step **over the whole run** (warm-ups and every outer step
+included; DDP's by the ring convention, cpn's counted by `WanSyncState.bytes_sent`) and
+the final eval loss (rank 0, fixed held-out windows). Configurations:
+
+  - `ddp`: PyTorch DDP, flat ring, fp32 (the baseline: 1×);
+  - `dense`, `fp16`, `int8`, `int4`: hierarchical per-step sync, values as named;
+  - `topk1`, `topk01`: per-step top-k at 1 % / 0.1 % with error feedback (AdamW, no DGC
+    momentum correction), density warm-up over the first tenth of the steps;
+  - `outer<H>-<values>`: outer-step sync (DiLoCo: in-site every step, pseudo-gradients
+    every H steps, Nesterov outer SGD lr 0.7 / momentum 0.9) with values fp16, int8,
+    int4 or top-k (`topk1`: 1 %, `topk10`: 10 %).
+
+The table gives per configuration the bytes, DDP ÷ bytes, the eval loss (mean and range
+over seeds) and its excess over DDP's in each seed (same seed); "≤ 2 %" says whether
+every seed is within 2 % of DDP. The chart (`--chart`, PNG) draws mean excess loss
+against WAN bytes per step, log scale, with the seeds' range as error bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from wan_sync import (
+    LEARNING_RATES,
+    SITES,
+    RankFailed,
+    Run,
+    Setup,
+    SyncConfig,
+    ddp_wan_bytes_per_step,
+    launch,
+    site_of_rank,
+)
+
+from cpn.emulated_wan import EmulatedWan
+
+
+def _configs() -> list[SyncConfig]:
+    out = [
+        SyncConfig("ddp", "DDP flat ring fp32", None),
+        SyncConfig("dense", "hierarchical dense fp32", "none"),
+        SyncConfig(
+            "dense-blocking", "hierarchical dense fp32, blocking hook", "none", overlap=False
+        ),
+        SyncConfig("fp16", "hierarchical fp16", "fp16"),
+        SyncConfig("int8", "hierarchical int8", "int8"),
+        SyncConfig("int4", "hierarchical int4", "int4"),
+        SyncConfig("topk1", "hierarchical top-k 1 %", "topk", 0.01),
+        SyncConfig("topk01", "hierarchical top-k 0.1 %", "topk", 0.001),
+    ]
+    values = {
+        "fp16": ("fp16", 1.0),
+        "int8": ("int8", 1.0),
+        "int4": ("int4", 1.0),
+        "topk10": ("topk", 0.1),
+        "topk1": ("topk", 0.01),
+    }
+    for every in (8, 32, 128):
+        for key, (value, density) in values.items():
+            name = f"outer H={every} {key.replace('topk', 'top-k ')}" + (
+                " %" if key.startswith("topk") else ""
+            )
+            out.append(SyncConfig(f"outer{every}-{key}", name, "outer", density, every, value))
+    return out
+
+
+CONFIGS = _configs()
+BY_KEY = {c.key: c for c in CONFIGS}
+DEFAULT_KEYS = (
+    "ddp,dense,fp16,int8,int4,topk1,topk01,"
+    "outer8-fp16,outer8-int4,outer32-fp16,outer32-int8,outer32-int4,outer32-topk10,"
+    "outer128-fp16,outer128-int8,outer128-int4,outer128-topk10,outer128-topk1"
+)
+QUICK_KEYS = "ddp,fp16,topk1,outer8-int8,outer32-int4,outer128-int4,outer128-topk10"
+
+FULL = Setup(optimizer="adamw", lr=LEARNING_RATES["adamw"], steps=512, warmup=50)
+#: Reduced: a 2-layer GPT of 0.13 M parameters, 256 steps (two outer steps at H = 128).
+QUICK = Setup(
+    layers=2,
+    hidden=64,
+    heads=2,
+    seq_len=32,
+    batch=4,
+    steps=256,
+    warmup=25,
+    optimizer="adamw",
+    lr=LEARNING_RATES["adamw"],
+    eval_batches=8,
+)
+
+
+@dataclass
+class Point:
+    key: str
+    name: str
+    seeds: list[int]
+    wan_bytes_per_step: float  # whole run, mean over seeds (equal between seeds)
+    ddp_over_this: float
+    eval_loss: list[float]  # by seed
+    vs_ddp: list[float]  # eval loss ÷ DDP's (same seed) − 1, by seed
+    within_2pct: bool
+    wall_s: float
+
+
+@dataclass
+class Report:
+    setup: dict[str, Any]
+    points: list[Point] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+
+
+def wan_per_step(config: SyncConfig, run: Run) -> float:
+    if config.compression is None:
+        return float(ddp_wan_bytes_per_step(run.ranks[0]["bucket_bytes"], site_of_rank()))
+    return statistics.fmean(run.wan_per_step())
+
+
+def run_all(
+    keys: Sequence[str],
+    seeds: Sequence[int],
+    setup: Setup,
+    parallel: int,
+    log: Any,
+    runs_file: Path | None = None,
+) -> Report:
+    """Every (configuration, seed) run; with `runs_file` each finished run is appended to
+    it as one JSON line and runs already there are not run again (a long sweep survives
+    an interruption)."""
+    report = Report(setup={**asdict(setup), "seeds": list(seeds), "load": [os.getloadavg()[0]]})
+    tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-frontier-"))
+    results: dict[tuple[str, int], tuple[float, float, float]] = {}
+    fingerprint = json.dumps(asdict(setup), sort_keys=True)
+    if runs_file is not None and runs_file.exists():
+        for line in runs_file.read_text().splitlines():
+            row = json.loads(line)
+            if row["setup"] == fingerprint:
+                results[row["key"], row["seed"]] = tuple(row["result"])
+                report.setup["parameters"] = row["parameters"]
+    jobs = [(BY_KEY[k], s) for s in seeds for k in keys if (k, s) not in results]
+
+    def one(job: tuple[SyncConfig, int]) -> None:
+        config, seed = job
+        began = time.monotonic()
+        run = launch(
+            config,
+            replace(setup, seed=seed),
+            setup.steps,
+            setup.warmup,
+            None,
+            tmp / f"{config.key}-s{seed}",
+        )
+        result = (
+            wan_per_step(config, run),
+            float(run.ranks[0]["eval_loss"]),
+            time.monotonic() - began,
+        )
+        results[config.key, seed] = result
+        report.setup["parameters"] = run.ranks[0]["parameters"]
+        if runs_file is not None:
+            row = {"setup": fingerprint, "key": config.key, "seed": seed, "result": result}
+            row["parameters"] = run.ranks[0]["parameters"]
+            with runs_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        log(f"{config.name}, seed {seed}: {result}")
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = [pool.submit(one, j) for j in jobs]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()  # a failed run ends the sweep, not after every other run
+            raise
+    shutil.rmtree(tmp)
+    ddp_bytes = statistics.fmean(results["ddp", s][0] for s in seeds)
+    for key in keys:
+        config = BY_KEY[key]
+        wan = statistics.fmean(results[key, s][0] for s in seeds)
+        losses = [results[key, s][1] for s in seeds]
+        vs = [results[key, s][1] / results["ddp", s][1] - 1 for s in seeds]
+        report.points.append(
+            Point(
+                key=key,
+                name=config.name,
+                seeds=list(seeds),
+                wan_bytes_per_step=wan,
+                ddp_over_this=ddp_bytes / wan if wan else math.inf,
+                eval_loss=losses,
+                vs_ddp=vs,
+                within_2pct=all(v <= 0.02 for v in vs),
+                wall_s=sum(results[key, s][2] for s in seeds),
+            )
+        )
+    good = [p for p in report.points if p.key != "ddp" and p.within_2pct]
+    if good:
+        best = max(good, key=lambda p: p.ddp_over_this)
+        report.best = {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
+    report.setup["load"].append(os.getloadavg()[0])
+    return report
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def rows(report: Report) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for p in sorted(report.points, key=lambda p: -p.wan_bytes_per_step):
+        ratio = p.ddp_over_this
+        out.append(
+            (
+                p.name,
+                _bytes(p.wan_bytes_per_step),
+                f"{ratio:,.0f}×" if ratio >= 100 else f"{ratio:.2f}×",
+                f"{statistics.fmean(p.eval_loss):.4f} ({min(p.eval_loss):.4f}–"
+                f"{max(p.eval_loss):.4f})",
+                " / ".join(f"{v:+.2%}" for v in p.vs_ddp),
+                "yes" if p.within_2pct else "no",
+            )
+        )
+    return out
+
+
+COLUMNS = (
+    "sync",
+    "WAN/step (whole run)",
+    "DDP ÷ this",
+    "eval loss (range)",
+    "vs DDP by seed",
+    "≤ 2 %",
+)
+
+
+def headline(report: Report) -> str:
+    s = report.setup
+    return (
+        f"GPT {s['layers']}×{s['hidden']} ({s.get('parameters', 0) / 1e6:.2f} M parameters), "
+        f"3 sites × 2 ranks, {s['steps']} steps, batch {s['batch']}×{s['seq_len']} per rank, "
+        f"AdamW peak lr {s['lr']:g}, seeds {', '.join(map(str, s['seeds']))}; loopback, "
+        f"bytes counted; load average {s['load'][0]:.1f} → {s['load'][1]:.1f}"
+    )
+
+
+def print_markdown(report: Report) -> None:
+    print(f"{headline(report)}\n")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|---|" + "---:|" * (len(COLUMNS) - 1))
+    for row in rows(report):
+        print("| " + " | ".join(row) + " |")
+    print()
+    if report.best:
+        b = report.best
+        print(
+            f"Best point within 2 % of DDP in every seed: {BY_KEY[b['key']].name}, "
+            f"{b['ddp_over_this']:,.0f}× fewer WAN bytes per step than DDP "
+            f"(loss {', '.join(f'{v:+.2%}' for v in b['vs_ddp'])})."
+        )
+    else:
+        print("No configuration is within 2 % of DDP in every seed.")
+
+
+def chart(report: Report, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for p in report.points:
+        mean = statistics.fmean(p.vs_ddp) * 100
+        lo, hi = min(p.vs_ddp) * 100, max(p.vs_ddp) * 100
+        marker = "s" if p.key == "ddp" else "o" if p.key.startswith("outer") else "^"
+        ax.errorbar(
+            p.wan_bytes_per_step,
+            mean,
+            yerr=[[mean - lo], [hi - mean]],
+            fmt=marker,
+            capsize=3,
+        )
+        ax.annotate(p.key, (p.wan_bytes_per_step, mean), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")  # fmt: skip
+    ax.axhline(2.0, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("WAN bytes per step, whole run (log)")
+    ax.set_ylabel("final eval loss vs DDP, % (mean; bars: seeds' range)")
+    ax.set_title(textwrap.fill(headline(report), 130), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def merge(paths: Sequence[Path]) -> Report:
+    """One report from several `--json` reports of the same setup and seeds (runs split
+    to keep each short): their points, DDP's once."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    first = docs[0]
+    for other in docs[1:]:
+        same = ("layers", "hidden", "steps", "seeds", "lr")
+        if any(other["setup"][k] != first["setup"][k] for k in same):
+            raise SystemExit(f"--merge: reports of different setups ({', '.join(same)})")
+    setup = dict(first["setup"])
+    setup["load"] = [
+        min(d["setup"]["load"][0] for d in docs),
+        max(d["setup"]["load"][1] for d in docs),
+    ]
+    report = Report(setup=setup)
+    seen: set[str] = set()
+    for doc in docs:
+        for point in doc["points"]:
+            if point["key"] not in seen:
+                seen.add(point["key"])
+                report.points.append(Point(**point))
+    good = [p for p in report.points if p.key != "ddp" and p.within_2pct]
+    if good:
+        best = max(good, key=lambda p: p.ddp_over_this)
+        report.best = {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
+    return report
+
+
+def print_err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def timing(
+    keys: Sequence[str],
+    setup: Setup,
+    skip: int,
+    rounds: int,
+    log: Any,
+    rate_mbit: float | None,
+) -> None:
+    """Step time per configuration (median over steps after `skip` of the slowest rank,
+    and the mean, which counts the outer steps' bursts), run round-robin `rounds` times so
+    that the machine's load falls on every configuration alike. With `rate_mbit` the sites
+    are emulated (`cpn/emulated_wan.py`, root) and each configuration also runs with
+    every uplink at that rate; else on loopback. Prints markdown."""
+    tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-timing-"))
+    medians: dict[tuple[str, float | None], list[float]] = {}
+    means: dict[tuple[str, float | None], list[float]] = {}
+    load = [os.getloadavg()[0]]
+    rates: list[float | None] = [None] if rate_mbit is None else [None, rate_mbit]
+    with EmulatedWan(len(SITES), None) if rate_mbit is not None else nullcontext() as wan:
+        for r in range(rounds):
+            for rate in rates:
+                if wan is not None:
+                    wan.set_uplink(rate)
+                for key in keys:
+                    where = tmp / f"{key}-{rate}-{r}"
+                    run = launch(BY_KEY[key], setup, setup.steps, 0, wan, where)
+                    steps = run.step_seconds()[skip:]
+                    medians.setdefault((key, rate), []).append(statistics.median(steps))
+                    means.setdefault((key, rate), []).append(statistics.fmean(steps))
+                    log(f"{key} {rate} round {r}: {medians[key, rate][-1] * 1e3:.1f} ms")
+    shutil.rmtree(tmp)
+    load.append(os.getloadavg()[0])
+    network = "loopback" if rate_mbit is None else "emulated sites"
+    print(
+        f"Step time ({network}), GPT {setup.layers}×{setup.hidden}, {setup.steps} steps "
+        f"(after {skip}; slowest rank per step), {rounds} rounds; load average "
+        f"{load[0]:.1f} → {load[1]:.1f}\n"
+    )
+    print("| uplink | sync | median step | mean step | rounds (median) | ÷ DDP | ÷ no limit |")
+    print("|---|---|---:|---:|---|---:|---:|")
+    for rate in rates:
+        ddp = statistics.median(medians["ddp", rate])
+        for key in keys:
+            m = statistics.median(medians[key, rate])
+            mean = statistics.median(means[key, rate])
+            each = ", ".join(f"{x * 1e3:.0f}" for x in medians[key, rate])
+            free = statistics.median(medians[key, None])
+            label = "no limit" if rate is None else f"{rate:g} Mbit/s"
+            print(
+                f"| {label} | {BY_KEY[key].name} | {m * 1e3:.1f} ms | {mean * 1e3:.1f} ms | "
+                f"{each} | {m / ddp:.2f}× | {m / free:.2f}× |"
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="reduced: tiny GPT, fewer configs")
+    ap.add_argument("--configs", help=f"comma-separated subset of {','.join(BY_KEY)}")
+    ap.add_argument("--seeds", help="comma-separated seeds (default 0,1,2)")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once (6 processes each)")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write the report as JSON here")
+    ap.add_argument(
+        "--runs", type=Path, help="append each run here (JSON lines); runs found are reused"
+    )
+    ap.add_argument("--chart", type=Path, help="write the frontier chart (PNG) here")
+    ap.add_argument(
+        "--timing",
+        action="store_true",
+        help="step times instead (default configs ddp,dense,dense-blocking; --steps 40)",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--timing: rounds")
+    ap.add_argument(
+        "--merge", type=Path, nargs="+", help="render these --json reports as one (no runs)"
+    )
+    ap.add_argument(
+        "--rate-mbit",
+        type=float,
+        help="--timing: also with every uplink at this rate (emulated sites: root)",
+    )
+    args = ap.parse_args()
+    setup = QUICK if args.quick else FULL
+    if args.steps:
+        setup = replace(setup, steps=args.steps, warmup=max(1, args.steps // 10))
+    if args.merge:
+        report = merge(args.merge)
+        if args.chart:
+            chart(report, args.chart)
+        print_markdown(report)
+        return
+    if args.timing:
+        keys = (args.configs or "ddp,dense,dense-blocking").split(",")
+        steps = args.steps or 40
+        timing(
+            keys, replace(setup, steps=steps), steps // 4, args.rounds, print_err, args.rate_mbit
+        )
+        return
+    keys = (args.configs or (QUICK_KEYS if args.quick else DEFAULT_KEYS)).split(",")
+    unknown = [k for k in keys if k not in BY_KEY]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(BY_KEY)})")
+    if "ddp" not in keys:
+        keys = ["ddp", *keys]
+    seeds = [int(s) for s in (args.seeds or "0,1,2").split(",")]
+
+    try:
+        report = run_all(keys, seeds, setup, args.parallel, print_err, args.runs)
+    except RankFailed as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=1))
+    if args.chart:
+        chart(report, args.chart)
+    if args.markdown:
+        print_markdown(report)
+    else:
+        print(headline(report))
+        for row in rows(report):
+            print("  ".join(row))
+
+
+if __name__ == "__main__":
+    main()
