@@ -42,6 +42,9 @@ def steps(request: pb.ReportTaskStatusRequest) -> tuple[StepRecord, ...]:
     return tuple(out)
 
 
+_ONE_LINE = str.maketrans({"\x00": None, "\n": "\\n", "\r": "\\r"})
+
+
 def log_lines(request: pb.ReportTaskStatusRequest) -> tuple[str, ...]:
     lines = request.log_lines
     if len(lines) > MAX_LINES:
@@ -49,8 +52,10 @@ def log_lines(request: pb.ReportTaskStatusRequest) -> tuple[str, ...]:
     for i, line in enumerate(lines):
         if len(line.encode()) > MAX_LINE_BYTES:
             raise InvalidField(f"log_lines[{i}]", f"at most {MAX_LINE_BYTES} bytes")
-    # NUL cannot be stored in PostgreSQL text; it is never meaningful in a log line.
-    kept = tuple(line.replace("\x00", "") for line in lines)
+    # NUL cannot be stored in PostgreSQL text; it is never meaningful in a log line. A line
+    # stays one line (readers print it after its rank: an embedded line break would let a
+    # worker forge lines of another rank), so breaks are kept visible as escapes.
+    kept = tuple(line.translate(_ONE_LINE) for line in lines)
     if request.log_lines_dropped:
         kept = (f"[cpn agent: {request.log_lines_dropped} lines dropped]", *kept)
     return kept
