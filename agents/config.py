@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agents.backends.slurm import SlurmOptions
 from agents.discovery.gpus import VirtualGpus
 from agents.discovery.rdma import DEFAULT_SYSFS_ROOT
 
@@ -33,3 +34,8 @@ class AgentConfig:
     stop_grace_s: float = 10.0
     max_backoff_s: float = 30.0
     tls_ca: Path | None = None  # PEM roots to verify the control plane: TLS when set
+    #: The site's engine: local (child processes on this node) or slurm (the whole site).
+    backend: str = "local"
+    slurm: SlurmOptions | None = None  # with backend "slurm": partition, account, ...
+    #: The longest a launch may run on a site engine (Slurm's --time).
+    time_limit_s: int = 24 * 3600

@@ -3,6 +3,9 @@
 #   - a virtual environment in .venv with torch pinned to the CPU build (an unpinned torch
 #     pulls gigabytes of CUDA packages), then cpn itself (editable) with its dev tools;
 #   - iproute2 (ip, tc) for the emulated-WAN benchmarks, when it is missing and we are root;
+#   - Slurm's controller, node daemon and client, and munge (Debian's slurmctld, slurmd,
+#     slurm-client, munge) when we are root: the Slurm backend's tests start a real
+#     cluster on this host (tests/slurm_cluster.py) and fail, not skip, without them;
 #   - the local PostgreSQL server, started if it is installed but not running (the
 #     registry tests run against it and must fail, not skip, when it is unreachable).
 # Re-running is cheap: the Python install is skipped while pyproject.toml is unchanged.
@@ -17,6 +20,15 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing iproute2 (ip, tc)"
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 >/dev/null
+    fi
+fi
+
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 \
+    || ! command -v sbatch >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Slurm (slurmctld, slurmd, slurm-client) and munge"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+            slurmctld slurmd slurm-client munge >/dev/null
     fi
 fi
 
