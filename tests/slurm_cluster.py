@@ -6,7 +6,8 @@ temporary directory: one munge daemon on its own socket and key, one controller 
 and pid paths per node (`%n`). Each node has fake GPUs: GRES on character devices made
 with mknod (gres.conf refuses plain files). `proctrack/linuxproc` and `task/none` need no
 cgroups; `jobcomp/filetxt` keeps finished jobs' states without slurmdbd. Two partitions on
-the same nodes: `cpn` and `urgent`, whose jobs preempt `cpn`'s (PreemptMode=CANCEL).
+the same nodes: `cpn` and `urgent`, whose jobs preempt `cpn`'s (PreemptMode=CANCEL), and
+`short`, whose one-minute MaxTime keeps longer jobs pending for ever (PartitionConfig).
 
 Every daemon runs in the foreground as a child of the test process and is stopped by its
 PID. Clients find the cluster through `SLURM_CONF`, as every Slurm client does.
@@ -38,6 +39,7 @@ class ClusterError(RuntimeError):
 class SlurmCluster:
     root: Path
     nodes: list[str]
+    gpus: int = GPUS_PER_NODE
     ctld_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -104,21 +106,23 @@ class SlurmCluster:
         ]
         gres = []
         for i, node in enumerate(self.nodes):
-            first = i * GPUS_PER_NODE
-            for g in range(first, first + GPUS_PER_NODE):
+            first = i * self.gpus
+            for g in range(first, first + self.gpus):
                 dev = r / "dev" / f"gpu{g}"
                 if not dev.exists():
                     os.mknod(dev, 0o600 | 0o020000, os.makedev(1, 3))  # like /dev/null
             lines.append(
                 f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 "
-                f"Port={self.node_ports[node]} CPUs=2 Gres=gpu:{GPUS_PER_NODE} RealMemory=1000"
+                f"Port={self.node_ports[node]} CPUs=2 Gres=gpu:{self.gpus} RealMemory=1000"
             )
-            last = first + GPUS_PER_NODE - 1
-            gres.append(f"NodeName={node} Name=gpu File={r}/dev/gpu[{first}-{last}]")
+            last = first + self.gpus - 1
+            files = f"gpu{first}" if first == last else f"gpu[{first}-{last}]"
+            gres.append(f"NodeName={node} Name=gpu File={r}/dev/{files}")
         names = ",".join(self.nodes)
         lines += [
             f"PartitionName=cpn Nodes={names} Default=YES MaxTime=INFINITE State=UP",
             f"PartitionName=urgent Nodes={names} PriorityTier=10 MaxTime=INFINITE State=UP",
+            f"PartitionName=short Nodes={names} MaxTime=1 State=UP",
         ]
         self.conf.write_text("\n".join(lines) + "\n")
         (r / "gres.conf").write_text("\n".join(gres) + "\n")
@@ -151,10 +155,28 @@ class SlurmCluster:
         self._start(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
 
     def kill_node(self, node: str) -> None:
-        """SIGKILL a node's slurmd (its jobs' steps die with the node's loss)."""
+        """The node crashes: SIGKILL its slurmd, its step daemons (slurmstepd, which Slurm
+        detaches from slurmd) and their processes (SLURMD_NODENAME=node), as a power loss
+        would; the controller then finds it unresponsive and fails its jobs (NODE_FAIL)."""
         proc = self.procs.pop(f"slurmd-{node}")
         proc.kill()
         proc.wait(10)
+        marker = f"SLURMD_NODENAME={node}".encode()
+        mine = f"SLURM_CONF={self.conf}".encode()
+        on_node, stepds = set(), set()
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            with suppress(OSError):
+                names = (pid_dir / "environ").read_bytes().split(b"\0")
+                if marker in names and mine in names:
+                    on_node.add(int(pid_dir.name))
+                    parent = int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if b"slurmstepd" in Path(f"/proc/{parent}/cmdline").read_bytes():
+                        stepds.add(parent)
+        for pid in [*stepds, *on_node]:  # the step daemons first: they must report nothing
+            with suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
     def _all_idle(self) -> bool:
         out = self.run("sinfo", "-h", "-N", "-p", "cpn", "-o", "%N %t", check=False)
@@ -226,7 +248,7 @@ def _wait(
 
 
 @contextmanager
-def slurm_cluster(root: Path, nodes: int = 4) -> Iterator[SlurmCluster]:
+def slurm_cluster(root: Path, nodes: int = 4, gpus: int = GPUS_PER_NODE) -> Iterator[SlurmCluster]:
     """A running cluster of `nodes` nodes (node1…nodeN) in `root`; stopped on exit.
 
     Raises ClusterError (the tests fail) when a binary is missing or a daemon does not
@@ -237,7 +259,7 @@ def slurm_cluster(root: Path, nodes: int = 4) -> Iterator[SlurmCluster]:
             f"Slurm is not installed here (missing {', '.join(missing)}): run scripts/setup.sh "
             "as root (apt-get install slurmctld slurmd slurm-client munge)"
         )
-    cluster = SlurmCluster(root, [f"node{i + 1}" for i in range(nodes)])
+    cluster = SlurmCluster(root, [f"node{i + 1}" for i in range(nodes)], gpus)
     cluster.write_config()
     try:
         cluster.start()

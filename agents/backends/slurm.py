@@ -166,7 +166,8 @@ class SlurmBackend:
                 "(is the controller reachable?)"
             ) from None
         if check and proc.returncode != 0:
-            raise BackendError(f"slurm: {_first_line(err.decode(errors='replace'), argv[0])}")
+            said = err.decode(errors="replace").strip() or out.decode(errors="replace")
+            raise BackendError(f"slurm: {_first_line(said, argv[0])}")
         return out.decode(errors="replace")
 
     # ------------------------------------------------------------------ start-up
@@ -175,6 +176,9 @@ class SlurmBackend:
         for binary in ("sbatch", "squeue", "scontrol", "scancel"):
             if shutil.which(binary) is None:
                 raise BackendError(f"slurm: {binary} is not on the PATH (install slurm-client)")
+        conf = os.environ.get("SLURM_CONF")
+        if conf and not Path(conf).is_file():
+            raise BackendError(f"slurm: SLURM_CONF={conf}: no such file")
         ping = await self._run("scontrol", "ping", check=False)
         if "UP" not in ping:
             where = os.environ.get("SLURM_CONF", "the default slurm.conf")
@@ -188,7 +192,9 @@ class SlurmBackend:
 
     async def capacity(self) -> Capacity:
         """The partition's nodes and their GPUs (GRES); down or drained nodes offer none."""
-        out = await self._run("scontrol", "-o", "show", "partition", self.options.partition)
+        out = await self._run(
+            "scontrol", "-o", "show", "partition", self.options.partition, check=False
+        )
         fields = key_values(out.strip())
         if fields.get("PartitionName") != self.options.partition:
             raise BackendError(f"slurm: partition {self.options.partition!r} not found")
