@@ -206,7 +206,8 @@ class LaunchManager:
         self, job_id: str, r: pb.RankAssignment, files: RunFiles, fresh: bool = True
     ) -> _Rank:
         """Follow plan rank r's files (removed first for a fresh launch, kept for an
-        adopted one)."""
+        adopted one: its steps are read again, and the control plane keeps each step
+        once)."""
         if fresh:
             for path in (
                 files.metrics(r.rank),
@@ -223,7 +224,8 @@ class LaunchManager:
             files=files,
             metrics=FileTail(files.metrics(r.rank)),
             status=FileTail(status_file(files.root, r.rank)),
-            log=FileTail(files.log(r.rank)),
+            # An adopted rank's earlier output was forwarded before the restart: skip it.
+            log=FileTail(files.log(r.rank), 0 if fresh else _size(files.log(r.rank))),
             last=TaskUpdate(job_id=job_id, rank=r.rank, state=pb.TASK_STATE_STARTING),
         )
 
@@ -393,6 +395,13 @@ class LaunchManager:
             return
         for job_id in list(self._launches):
             await self.stop(job_id, "agent shutting down")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _result(path: Path) -> dict[str, Any]:
