@@ -19,7 +19,7 @@ import pytest
 from api.job_schemas import JobPublic
 from cpn.client import CpnClient
 from cpn.train.report import summarise
-from tests.processes import CPN, wait_until
+from tests.processes import CPN, free_port, wait_until
 from tests.service_harness import Cluster, cluster, make_key, tiny_job
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 
@@ -32,7 +32,12 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, S
     with slurm_cluster(root / "slurm", nodes=2, gpus=1) as slurm:
         env = {"SLURM_CONF": str(slurm.conf)}
         extra = {"b": ["--backend", "slurm", "--slurm-partition", "cpn", "--time-limit", "600"]}
-        with cluster(root, {"a": 2, "b": 0}, agent_extra=extra, agent_env={"b": env}) as c:
+        # Rendezvous ports away from the default range other suites on this host use.
+        low = free_port()
+        ports = {"CPN_RENDEZVOUS_PORT_MIN": str(low), "CPN_RENDEZVOUS_PORT_MAX": str(low + 20)}
+        with cluster(
+            root, {"a": 2, "b": 0}, env=ports, agent_extra=extra, agent_env={"b": env}
+        ) as c:
             yield c, slurm
 
 
