@@ -72,6 +72,9 @@ class _Launch:
     status: Status = field(default_factory=lambda: Status(State.PENDING))
     stopping: bool = False
     stop_reason: str = ""
+    #: The engine was already ending it (Slurm's COMPLETING) before any stop order: its
+    #: final state, not the stop order, says why it ended.
+    ending: bool = False
     monitor: asyncio.Task[None] | None = None
 
     @property
@@ -327,6 +330,8 @@ class LaunchManager:
                 unknown_since = None
             if status != run.status:
                 log.info("job %s: %s %s", run.job_id, status.state.value, status.reason)
+            if "COMPLETING" in status.native and not run.stopping:
+                run.ending = True
             run.status = status
         for r in run.ranks:
             self._read(r, final=True)
@@ -352,7 +357,7 @@ class LaunchManager:
                     exit_status,
                     f"exited with {exit_status}: {f.get('reason', '')}",
                 )
-            elif run.stopping:
+            elif run.stopping and not run.ending:
                 self._final(r, pb.TASK_STATE_STOPPED, code, run.stop_reason or "stop order")
             elif failures:
                 first = next(iter(failures))

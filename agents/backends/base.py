@@ -79,7 +79,7 @@ class Status:
     def task_state(self) -> tuple[pb.TaskState.ValueType, str]:
         """The protocol's TaskState for this status, and the message to send with it.
 
-        The wire has five task states; the rest of cpn's nine travel in the message, which
+        The wire has five task states; the four it lacks travel in the message, which
         starts with the state's name ("PREEMPTED: ...") until the protocol carries them."""
         state, detail = self.state, self.reason or self.native
         if state is State.PENDING:
@@ -92,6 +92,8 @@ class Status:
             return pb.TASK_STATE_SUCCEEDED, ""
         if state is State.CANCELLED:
             return pb.TASK_STATE_STOPPED, f"CANCELLED: {detail}" if detail else "CANCELLED"
+        if state is State.FAILED:  # the wire says FAILED itself
+            return pb.TASK_STATE_FAILED, detail or "FAILED"
         return pb.TASK_STATE_FAILED, f"{state.value}: {detail}" if detail else state.value
 
 

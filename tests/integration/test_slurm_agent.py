@@ -10,7 +10,9 @@ leaves no job of cpn's in `squeue` within 10 s."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +55,16 @@ def _slurm_jobs(slurm: SlurmCluster, job_id: str) -> list[str]:
     """Ids of every Slurm job (any state) of this cpn job."""
     out = slurm.run("squeue", "-h", "-t", "all", "-o", "%i %j")
     return [line.split()[0] for line in out.splitlines() if f"cpn-{job_id}-e0" in line]
+
+
+def _tasks(c: Cluster, job_id: str) -> dict[int, tuple[str, str]]:
+    """Each rank's last reported (state, message), from the registry's database."""
+    path = c.db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as db:
+        rows = db.execute(
+            "SELECT rank, state, message FROM tasks WHERE job_id = ?", (job_id,)
+        ).fetchall()
+    return {int(rank): (str(state), str(message)) for rank, state, message in rows}
 
 
 def test_a_job_across_a_local_site_and_a_slurm_site(
@@ -114,3 +126,51 @@ def test_cancel_leaves_nothing_in_squeue(sites: tuple[Cluster, SlurmCluster]) ->
     client.cancel(job_id)
     wait_until(lambda: ids[0] not in slurm.squeue_ids(), 10, "the Slurm job to leave squeue")
     _wait_state(client, job_id, {"cancelled"}, 30)
+
+
+def test_scancel_from_outside_fails_the_job_with_slurms_word(
+    sites: tuple[Cluster, SlurmCluster],
+) -> None:
+    c, slurm = sites
+    client = c.client(make_key(c.db_url, "dave"))
+    job_id = client.submit(tiny_job("scancelled", steps=100_000)).id
+    _wait_state(client, job_id, {"running"}, 120)
+    (slurm_id,) = _slurm_jobs(slurm, job_id)
+    slurm.run("scancel", slurm_id)
+    started = time.monotonic()
+    _wait_state(client, job_id, {"failed"}, 30)
+    assert time.monotonic() - started < 15
+    # b's ranks say why (a's, whose peers vanished, may be the job's first failure).
+    said = f"CANCELLED: Slurm job {slurm_id} CANCELLED"
+    wait_until(
+        lambda: all(
+            s == "stopped" and m.startswith(said)
+            for r, (s, m) in _tasks(c, job_id).items()
+            if r in (0, 1)
+        ),
+        15,
+        "b's ranks to report the cancel",
+    )
+
+
+def test_a_lost_slurm_node_fails_the_job_as_node_lost(
+    sites: tuple[Cluster, SlurmCluster],
+) -> None:
+    c, slurm = sites
+    client = c.client(make_key(c.db_url, "erin"))
+    job_id = client.submit(tiny_job("node-lost", steps=100_000)).id
+    _wait_state(client, job_id, {"running"}, 120)
+    (slurm_id,) = _slurm_jobs(slurm, job_id)
+    slurm.kill_node("node2")
+    try:
+        _wait_state(client, job_id, {"failed"}, 90)
+        said = f"NODE_LOST: Slurm job {slurm_id} NODE_FAIL"
+        wait_until(
+            lambda: any(
+                s == "failed" and m.startswith(said) for s, m in _tasks(c, job_id).values()
+            ),
+            60,
+            "b's ranks to report the lost node",
+        )
+    finally:
+        slurm.start_node("node2")
