@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 
@@ -29,7 +30,7 @@ from agents.backends import BackendError, Capacity, SiteBackend
 from agents.backends.local import LocalBackend
 from agents.backends.slurm import SlurmBackend
 from agents.backoff import Backoff
-from agents.config import AgentConfig
+from agents.config import AgentConfig, KubernetesSettings
 from agents.control import ControlLink, SessionEnded
 from agents.convert import node_message
 from agents.discovery.gpus import DiscoveredGpu, sample_usage
@@ -83,7 +84,38 @@ def make_backend(config: AgentConfig, gpus: Hardware) -> SiteBackend:
         if config.slurm is None:
             raise AgentError("--backend slurm needs --slurm-partition")
         return SlurmBackend(config.slurm, config.agent_id)
-    raise AgentError(f"--backend: {config.backend!r} is not one of local, slurm")
+    if config.backend == "kubernetes":
+        if config.kubernetes is None:
+            raise AgentError("--backend kubernetes needs --k8s-namespace and --k8s-image")
+        return _kubernetes(config, config.kubernetes)
+    raise AgentError(f"--backend: {config.backend!r} is not one of local, slurm, kubernetes")
+
+
+def _kubernetes(config: AgentConfig, k8s: KubernetesSettings) -> SiteBackend:
+    """The client configured as kubectl would be: in-cluster (a service account), else
+    $KUBECONFIG / ~/.kube/config."""
+    from kubernetes import client  # noqa: PLC0415
+    from kubernetes import config as kube_config  # noqa: PLC0415
+    from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
+
+    from agents.backends.kubernetes import KubernetesBackend, KubernetesOptions  # noqa: PLC0415
+
+    configuration = client.Configuration()
+    try:
+        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except ConfigException:
+        try:
+            kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+            )
+        except (ConfigException, OSError) as exc:
+            raise AgentError(
+                f"kubernetes: no in-cluster or kubeconfig credentials ({exc})"
+            ) from None
+    options = KubernetesOptions(
+        k8s.namespace, k8s.image, k8s.service_account, k8s.work_claim, str(config.work_dir)
+    )
+    return KubernetesBackend(options, config.agent_id, client.ApiClient(configuration))
 
 
 def site_inventory(capacity: Capacity, config: AgentConfig, backend: SiteBackend) -> pb.Inventory:
@@ -152,7 +184,6 @@ class Agent:
             except BackendError as exc:
                 raise AgentError(str(exc)) from None
             self.inventory = site_inventory(capacity, self.config, engine)
-            self.launches.node_addresses = {n.name: n.address for n in capacity.nodes if n.address}
             log.info(
                 "%s: %d nodes, %d GPUs usable",
                 engine.name,
@@ -245,7 +276,7 @@ class Agent:
                 self.config.probe_interval_s,
                 self.config.probe_bytes,
             ),
-            HealthEvent(self.hardware.check_health, self.health),
+            HealthEvent(self._check_health, self.health),
         ]
         tasks = [
             asyncio.create_task(run_events(events)),
@@ -264,6 +295,18 @@ class Agent:
             self.control.close_stream()
 
     # ------------------------------------------------------------------ session work
+
+    def _check_health(self) -> tuple[pb.Health.ValueType, str]:
+        """This node's hardware; for a Slurm site, the registered nodes as Slurm sees them
+        now (a node down or drained offers no GPUs: DEGRADED, naming it)."""
+        engine = self.launches.engine
+        if isinstance(engine, SlurmBackend) and self.inventory is not None:
+            worst, lost = engine.node_health({n.name for n in self.inventory.nodes})
+            health = {"ok": pb.HEALTH_OK, "degraded": pb.HEALTH_DEGRADED}.get(
+                worst, pb.HEALTH_FAILING
+            )
+            return health, ("slurm nodes without GPUs now: " + ", ".join(lost)) if lost else ""
+        return self.hardware.check_health()
 
     async def heartbeat(self, *, unary: bool = False) -> None:
         """Renew the lease. A heartbeat the control plane refuses as invalid (a WAN

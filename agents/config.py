@@ -14,6 +14,16 @@ WORKER_PLACEHOLDERS = ("python", "plan", "job", "metrics")
 
 
 @dataclass(frozen=True)
+class KubernetesSettings:
+    """`--k8s-*`: what a Kubernetes site's admin gave cpn (agents/backends/kubernetes.py)."""
+
+    namespace: str
+    image: str
+    service_account: str | None = None
+    work_claim: str | None = None
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     site: str
     control: str  # host:port of the control plane's gRPC service
@@ -37,5 +47,7 @@ class AgentConfig:
     #: The site's engine: local (child processes on this node) or slurm (the whole site).
     backend: str = "local"
     slurm: SlurmOptions | None = None  # with backend "slurm": partition, account, ...
+    #: With backend "kubernetes": namespace, image, service account, work volume claim.
+    kubernetes: KubernetesSettings | None = None
     #: The longest a launch may run on a site engine (Slurm's --time).
     time_limit_s: int = 24 * 3600

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.backends import BackendError, Handle, LaunchSpec, NodeShare, SiteBackend, State, Status
-from agents.backends.base import PORT_PLACEHOLDER
+from agents.backends.base import HEAD_PLACEHOLDER, LOCAL_PLACEHOLDER, PORT_PLACEHOLDER
 from agents.backends.local import LocalBackend
 from agents.logs import Outbox, new_lines
 from agents.status import status_file
@@ -96,8 +96,6 @@ class LaunchManager:
     stop_grace_s: float = 10.0
     #: The site's engine (None: local processes on this node).
     backend: SiteBackend | None = None
-    #: Site-wide backends: each node's address (the rendezvous and --local-addr).
-    node_addresses: dict[str, str] = field(default_factory=dict)
     time_limit_s: int = 24 * 3600
     _launches: dict[str, _Launch] = field(default_factory=dict)
 
@@ -270,12 +268,11 @@ class LaunchManager:
         host = (first.site, first.node) == (self.site, node)
         endpoint = f"{order.master_addr}:{order.master_port}"
         local_addr = self.advertise_host
-        if self.engine.site_wide:
-            local_addr = self.node_addresses.get(node, local_addr)
+        if self.engine.site_wide:  # the engine knows where each node's workers are
+            local_addr = LOCAL_PLACEHOLDER
             if all(r.site == self.site for r in order.ranks):
                 # This site's alone: the head node serves it, on a port the backend picks.
-                head = self.node_addresses.get(first.node, first.node)
-                endpoint = f"{head}:{PORT_PLACEHOLDER}"
+                endpoint = f"{HEAD_PLACEHOLDER}:{PORT_PLACEHOLDER}"
         argv = [
             sys.executable, "-m", "cpn", "launch",
             "--plan", str(plan_path), "--job", str(job_path),

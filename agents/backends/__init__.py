@@ -1,7 +1,8 @@
 """Site backends: the engines an agent runs its shards through (`cpn agent --backend`).
 
 `local` (child processes on the agent's node), `slurm` (batch jobs through the Slurm
-CLI). See `base.py` for the interface and the states."""
+CLI), `kubernetes` (Indexed Jobs through the official client). See `base.py` for the
+interface and the states."""
 
 from agents.backends.base import (
     FINAL,
@@ -16,7 +17,7 @@ from agents.backends.base import (
     Status,
 )
 
-BACKENDS = ("local", "slurm")
+BACKENDS = ("local", "slurm", "kubernetes")
 
 __all__ = [
     "BACKENDS",

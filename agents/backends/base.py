@@ -37,9 +37,12 @@ from typing import Protocol
 
 from proto.cpn.v1 import agent_pb2 as pb
 
-#: In a command of a LaunchSpec: the rendezvous port, filled in by the backend where it
-#: picks the port itself (rdzv_port 0).
+#: In a command of a LaunchSpec, filled in by the backend: the rendezvous port (where it
+#: picks the port itself: rdzv_port 0), the head node's address, and the address other
+#: nodes reach this node's workers on (a Slurm node's NodeAddr, a pod's IP).
 PORT_PLACEHOLDER = "{rdzv_port}"
+HEAD_PLACEHOLDER = "{rdzv_addr}"
+LOCAL_PLACEHOLDER = "{local_addr}"
 
 
 class State(enum.Enum):

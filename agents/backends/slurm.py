@@ -33,6 +33,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from pathlib import Path
 
 from agents.backends.base import (
     FINAL,
+    HEAD_PLACEHOLDER,
+    LOCAL_PLACEHOLDER,
     PORT_PLACEHOLDER,
     BackendError,
     Capacity,
@@ -214,6 +217,33 @@ class SlurmBackend:
             )
         )
 
+    def node_health(self, registered: set[str]) -> tuple[str, list[str]]:
+        """(worst, what) for the nodes the agent registered, from a fresh `scontrol show
+        node` (blocking: the agent's health check runs in a thread). worst is "ok",
+        "degraded" (some offer no GPUs now: down, drained, not responding) or "failing"
+        (none does, or the controller does not answer)."""
+        try:
+            done = subprocess.run(
+                ["scontrol", "-o", "show", "node"],
+                capture_output=True,
+                text=True,
+                timeout=self.options.command_timeout_s,
+                check=False,
+            )
+            nodes = {n.name: n for n in parse_nodes(done.stdout)} if done.returncode == 0 else {}
+        except (OSError, subprocess.TimeoutExpired, SlurmOutputError) as exc:
+            return "failing", [f"scontrol show node: {exc}"]
+        if not nodes:
+            return "failing", [_first_line(done.stderr, "scontrol show node")]
+        lost = sorted(
+            f"{name} ({nodes[name].state if name in nodes else 'gone'})"
+            for name in registered
+            if name not in nodes or not nodes[name].usable
+        )
+        if not lost:
+            return "ok", []
+        return ("failing" if len(lost) == len(registered) else "degraded"), lost
+
     def gpu_type(self, node: str) -> str:
         found = self._nodes.get(node)
         return found.gpu_type if found is not None else ""
@@ -280,9 +310,14 @@ class SlurmBackend:
         port_file = run / f"rdzv-e{spec.epoch}.port"
         port_file.unlink(missing_ok=True)
         names, commands = [], []
+        head = self._nodes[spec.nodes[0].node].address
         for k, (share, argv) in enumerate(zip(spec.nodes, spec.commands, strict=True)):
             names.append(f"  {shlex.quote(share.node)}) K={k} ;;")
-            cmd = " ".join(_quote_with_port(a) for a in argv)
+            mine = self._nodes[share.node].address
+            filled = [
+                a.replace(HEAD_PLACEHOLDER, head).replace(LOCAL_PLACEHOLDER, mine) for a in argv
+            ]
+            cmd = " ".join(_quote_with_port(a) for a in filled)
             commands.append(f"  {k}) CMD=({cmd}) ;;")
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(spec.env.items()))
         if spec.rdzv_port:

@@ -129,9 +129,10 @@ def agent(
         str,
         typer.Option(
             "--backend",
-            help="How the site runs workers: local (child processes on this node) or slurm "
+            help="How the site runs workers: local (child processes on this node), slurm "
             "(one batch job per launch on the site's Slurm; the agent serves every node of "
-            "the partition; the cluster is found through $SLURM_CONF).",
+            "the partition; the cluster is found through $SLURM_CONF) or kubernetes (one "
+            "Indexed Job per launch in --k8s-namespace; in-cluster or kubeconfig credentials).",
         ),
     ] = "local",
     slurm_partition: Annotated[
@@ -152,6 +153,30 @@ def agent(
             show_default=False,
         ),
     ] = None,
+    k8s_namespace: Annotated[
+        str | None,
+        typer.Option("--k8s-namespace", help="The namespace cpn may use.", show_default=False),
+    ] = None,
+    k8s_image: Annotated[
+        str | None,
+        typer.Option(
+            "--k8s-image", help="The image with cpn installed, for the pods.", show_default=False
+        ),
+    ] = None,
+    k8s_service_account: Annotated[
+        str | None,
+        typer.Option(
+            "--k8s-service-account", help="The pods' service account.", show_default=False
+        ),
+    ] = None,
+    k8s_work_claim: Annotated[
+        str | None,
+        typer.Option(
+            "--k8s-work-claim",
+            help="PersistentVolumeClaim mounted in the pods at --work-dir (shared with the agent).",
+            show_default=False,
+        ),
+    ] = None,
     time_limit: Annotated[
         int,
         typer.Option(
@@ -168,7 +193,7 @@ def agent(
     the control plane goes away."""
     from agents.agent import AgentError, run_agent  # noqa: PLC0415
     from agents.backends.slurm import SlurmOptions  # noqa: PLC0415
-    from agents.config import AgentConfig  # noqa: PLC0415
+    from agents.config import AgentConfig, KubernetesSettings  # noqa: PLC0415
     from agents.discovery.gpus import VirtualGpus  # noqa: PLC0415
     from cpn.cli.serve import setup_logging  # noqa: PLC0415
 
@@ -183,8 +208,15 @@ def agent(
     for placeholder in re.findall(r"{([^}]*)}", worker_command or ""):
         if placeholder not in WORKER_PLACEHOLDERS:
             raise InputError(f"--worker-command: unknown placeholder {{{placeholder}}}")
-    if backend not in ("local", "slurm"):
-        raise InputError(f"--backend: {backend!r} is not one of local, slurm")
+    if backend not in ("local", "slurm", "kubernetes"):
+        raise InputError(f"--backend: {backend!r} is not one of local, slurm, kubernetes")
+    k8s = None
+    if backend == "kubernetes":
+        if not k8s_namespace or not k8s_image:
+            raise InputError("--backend kubernetes: --k8s-namespace and --k8s-image are required")
+        k8s = KubernetesSettings(k8s_namespace, k8s_image, k8s_service_account, k8s_work_claim)
+    elif k8s_namespace or k8s_image or k8s_service_account or k8s_work_claim:
+        raise InputError("--k8s-* options need --backend kubernetes")
     slurm = None
     if backend == "slurm":
         if not slurm_partition:
@@ -213,6 +245,7 @@ def agent(
         tls_ca=tls_ca,
         backend=backend,
         slurm=slurm,
+        kubernetes=k8s,
         time_limit_s=time_limit,
     )
     setup_logging(log_level)

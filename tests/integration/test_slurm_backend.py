@@ -214,6 +214,10 @@ def test_a_killed_slurmd_is_a_lost_node(slurm: SlurmCluster, tmp_path: Path) -> 
         capacity = {n.name: n for n in asyncio.run(backend.capacity()).nodes}
         assert not capacity["node4"].usable and capacity["node4"].gpus == 0
         assert capacity["node1"].usable
+        worst, lost = backend.node_health({"node1", "node2", "node3", "node4"})
+        assert worst == "degraded" and len(lost) == 1 and lost[0].startswith("node4 (DOWN")
+        assert backend.node_health({"node4"})[0] == "failing"
+        assert backend.node_health({"node1"}) == ("ok", [])
     finally:
         slurm.start_node("node4")
 
