@@ -41,7 +41,6 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from agents.backends.base import (
-    FINAL,
     HEAD_PLACEHOLDER,
     LOCAL_PLACEHOLDER,
     PORT_PLACEHOLDER,
@@ -457,9 +456,7 @@ class KubernetesBackend:
             meta = job.metadata
             notes = meta.annotations or {}
             if notes.get("cpn/agent-id") != self.agent_id:
-                continue
-            if job_status(job, []).state in FINAL:
-                continue
+                continue  # (ended ones too: their final states may not be reported yet)
             try:
                 nodes = tuple(
                     NodeShare(str(n["node"]), tuple(n["ranks"]), tuple(n["gpus"]))

@@ -450,11 +450,13 @@ class SlurmBackend:
         return handle.run_dir / f"node-{node_rank}" / "launcher.log"
 
     async def adopt(self) -> Sequence[Handle]:
-        """This agent's jobs that Slurm still runs or queues, found by their comment."""
+        """This agent's jobs that Slurm still shows, found by their comment: running or
+        queued ones to follow again, and ones that ended while the agent was away (Slurm
+        keeps them MinJobAge seconds), whose final states must still be reported."""
         handles = []
         for job in await self._queue():
             m = _COMMENT.match(job.comment)
-            if m is None or m.group(3) != self.agent_id or job.state not in ("PENDING", "RUNNING"):
+            if m is None or m.group(3) != self.agent_id:
                 continue
             run_dir = Path(job.work_dir) if job.work_dir else None
             if run_dir is None:

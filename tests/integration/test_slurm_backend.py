@@ -166,7 +166,10 @@ def test_adopt_finds_this_agents_jobs_only(slurm: SlurmCluster, tmp_path: Path) 
     assert found[0].nodes == handle.nodes and found[0].run_dir == handle.run_dir
     assert asyncio.run(_backend(agent="someone-else").adopt()) == []
     asyncio.run(backend.cancel(handle, 1))
-    assert asyncio.run(_backend(agent="adopter").adopt()) == []
+    # Ended while "the agent was away": still adopted, so that its end gets reported.
+    (ended,) = asyncio.run(_backend(agent="adopter").adopt())
+    assert ended.native_id == handle.native_id
+    assert asyncio.run(backend.poll(ended)).state is State.CANCELLED
 
 
 def test_scancel_from_outside_is_noticed_in_one_poll(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -119,8 +119,10 @@ def test_submit_is_idempotent_and_adopt_finds_it(k8s: tuple[FakeApi, KubernetesB
         ("Job_1", 2, handle.native_id, handle.nodes)
     ]
     assert asyncio.run(KubernetesBackend(OPTIONS, "other", backend.api).adopt()) == []
+    # One that ended while the agent was away is adopted too: its end is still to report.
     api.set_job(NS, handle.native_id, {"conditions": [{"type": "Complete", "status": "True"}]})
-    assert asyncio.run(again.adopt()) == []  # ended: nothing to follow
+    (ended,) = asyncio.run(KubernetesBackend(OPTIONS, "site-k-agent", backend.api).adopt())
+    assert asyncio.run(again.poll(ended)).state is State.SUCCEEDED
 
 
 def test_every_state_from_job_and_pod_objects(k8s: tuple[FakeApi, KubernetesBackend]) -> None:
