@@ -4,9 +4,10 @@
 setup:
 	@./scripts/setup.sh
 
-# The main job: plan the bundled example job onto the bundled three-site topology.
+# The first thing to run: a control plane, three sites (network namespaces with
+# rate-limited uplinks as root, else loopback) and a job across them; report in demo-report/.
 demo: setup
-	.venv/bin/cpn plan --topology examples/topologies/three-sites.yaml --job examples/jobs/gpt-7b-auto.yaml
+	.venv/bin/cpn demo
 
 lint: setup
 	.venv/bin/ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from agents.probe import ProbeResult
+from cpn.contracts.limits import MIN_GBPS
 from proto.cpn.v1 import agent_pb2 as pb
 
 
@@ -19,7 +20,9 @@ class LinkBook:
         return [
             pb.LinkMeasurement(
                 peer_site=site,
-                bandwidth_gbps=r.bandwidth_gbps,
+                # Below the protocol's floor a link carries nothing useful: report it down
+                # (0) rather than a value the control plane refuses.
+                bandwidth_gbps=r.bandwidth_gbps if r.bandwidth_gbps >= MIN_GBPS else 0.0,
                 rtt_ms=r.rtt_ms,
                 measured_at_unix_ms=int(r.measured_at * 1000),
             )

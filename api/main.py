@@ -9,7 +9,7 @@ from collections.abc import Callable
 from fastapi import FastAPI
 
 from api import errors
-from api.routes import health, jobs, quotes, sites, topology
+from api.routes import health, jobs, quotes, sites, topology, ui
 from cpn import __version__
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService, ServiceMetrics
@@ -46,4 +46,5 @@ def create_app(
     errors.install(app)
     for module in (jobs, quotes, sites, topology, health):
         app.include_router(module.router)
+    ui.install(app)
     return app

@@ -3,6 +3,7 @@
     .venv/bin/python bench/scheduler.py --markdown   # the full grid (about 20 minutes)
     .venv/bin/python bench/scheduler.py --quick      # up to 16 sites
     .venv/bin/python bench/scheduler.py --json       # one JSON object instead of tables
+    .venv/bin/python bench/scheduler.py --objective iteration_time --sites 64 --brute-force 0
 
 For each generated topology (homogeneous: equal sites, 10 Gb/s links; heterogeneous:
 skewed GPU counts, mixed GPU models, 0.3–10 Gb/s links with 5–250 ms latency) and a
@@ -281,21 +282,34 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--markdown", action="store_true", help="print tables as Markdown")
     ap.add_argument("--brute-force", type=int, default=40, help="tiny instances to enumerate")
+    ap.add_argument(
+        "--objective",
+        choices=["both", "wan_bytes", "iteration_time"],
+        default="both",
+        help="run only this objective's table",
+    )
+    ap.add_argument(
+        "--sites", type=int, nargs="*", help="run only instances with these numbers of sites"
+    )
     args = ap.parse_args()
     err = Console(stderr=True)
-    cases = [
-        (s, g, h, c, Objective.WAN_BYTES)
-        for s, g in (QUICK_SIZES if args.quick else SIZES)
-        for h in (False, True)
-        for c in ("none", "topk")
-    ]
-    if not args.quick:
+    cases = []
+    if args.objective in ("both", "wan_bytes"):
+        cases += [
+            (s, g, h, c, Objective.WAN_BYTES)
+            for s, g in (QUICK_SIZES if args.quick else SIZES)
+            for h in (False, True)
+            for c in ("none", "topk")
+        ]
+    if not args.quick and args.objective in ("both", "iteration_time"):
         cases += [
             (s, g, h, c, Objective.ITERATION_TIME)
             for s, g in TIME_SIZES
             for h in (False, True)
             for c in ("none", "topk")
         ]
+    if args.sites:
+        cases = [case for case in cases if case[0] in args.sites]
     rows: list[Row] = []
     started = time.strftime("%Y-%m-%d %H:%M")
     load_before = os.getloadavg()[0]

@@ -37,7 +37,7 @@ It measures
   (c) step time (median over the timed steps of the slowest rank's step) with each
       site's uplink rate-limited, and with no limit: as root the sites are network
       namespaces joined by a bridge, each uplink shaped with `tc tbf`
-      (`bench/wan_emulation.py`, 198.18.0.0/15 addresses), and (a) runs there too;
+      (`cpn/emulated_wan.py`, 198.18.0.0/15 addresses), and (a) runs there too;
       otherwise (c) is skipped and (a) runs over loopback (counted bytes only). Top-k
       runs at its target density from the first step here (timing, not loss);
   (d) top-k selection on a 25 M-element tensor against `torch.topk`
@@ -77,10 +77,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel
-from wan_emulation import EmulatedWan, available
 
 from cpn import wire
 from cpn.comm import WanSyncState, wan_sync_hook
+from cpn.emulated_wan import EmulatedWan, available
 from cpn.train.data import BatchSource
 from cpn.train.model import GPTConfig, GPTStage
 from cpn.train.trainer import learning_rate
@@ -794,7 +794,7 @@ def run_bench(args: argparse.Namespace, err: Console) -> Report:
         configs = [BY_KEY["ddp"], *(c for c in configs if c.key != "ddp")]
     ok, why = (False, "--no-emulation") if args.no_emulation else available()
     network = (
-        "sites emulated in network namespaces (bench/wan_emulation.py)"
+        "sites emulated in network namespaces (cpn/emulated_wan.py)"
         if ok
         else f"loopback, counted bytes only ({why})"
     )

@@ -349,7 +349,10 @@ def evaluate(
     if len(where) != dp * pp:
         raise ValueError(f"shards: need {dp * pp} placements, got {len(where)}")
 
-    intra_node = sum(w.tp_bytes(sh.stage) for sh in shards)
+    per_stage = [0] * pp
+    for sh in shards:
+        per_stage[sh.stage] += 1
+    intra_node = sum(c * w.tp_bytes(p) for p, c in enumerate(per_stage))
     intra_site = 0
     wan = 0
     links: dict[str, int] = defaultdict(int)
@@ -417,9 +420,12 @@ def evaluate(
 
     # Compute: the slowest shard of each stage.
     compute = [0.0] * pp
+    seconds: dict[tuple[int, str, str], float] = {}
     for sh in shards:
-        spec = node_spec[(sh.site, sh.node)]
-        compute[sh.stage] = max(compute[sh.stage], w.compute_seconds(sh.stage, spec))
+        at = (sh.stage, sh.site, sh.node)
+        if at not in seconds:
+            seconds[at] = w.compute_seconds(sh.stage, node_spec[(sh.site, sh.node)])
+        compute[sh.stage] = max(compute[sh.stage], seconds[at])
 
     slot = [compute[p] + boundary[p] for p in range(pp)]
     worst = max(range(pp), key=lambda p: slot[p])

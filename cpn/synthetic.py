@@ -143,3 +143,106 @@ def benchmark_job(
     if compression == "topk":
         doc["compression"] = {"wan": "topk", "density": 0.001}
     return JobSpec.model_validate(doc)
+
+
+#: Measured AWS inter-region latency (ms) and bandwidth (Gb/s) that DT-FM's simulated
+#: scenarios use (Yuan et al., NeurIPS 2022, §5 and its public scheduler's scenarios).
+DTFM_LINKS: dict[tuple[str, str], tuple[float, float]] = {
+    ("Oregon", "Virginia"): (67, 0.79),
+    ("Oregon", "Ohio"): (49, 1.10),
+    ("Oregon", "Tokyo"): (96, 0.523),
+    ("Oregon", "Seoul"): (124, 0.46),
+    ("Oregon", "London"): (136, 0.42),
+    ("Oregon", "Frankfurt"): (143, 0.404),
+    ("Oregon", "Ireland"): (124, 0.482),
+    ("Virginia", "Ohio"): (11, 1.12),
+    ("Virginia", "Tokyo"): (143, 0.524),
+    ("Virginia", "Seoul"): (172, 0.500),
+    ("Virginia", "London"): (76, 1.16),
+    ("Virginia", "Frankfurt"): (90, 1.02),
+    ("Virginia", "Ireland"): (67, 1.05),
+    ("Ohio", "Tokyo"): (130, 0.694),
+    ("Ohio", "Seoul"): (159, 0.529),
+    ("Ohio", "London"): (86, 1.05),
+    ("Ohio", "Frankfurt"): (99, 0.799),
+    ("Ohio", "Ireland"): (77, 1.14),
+    ("Tokyo", "Seoul"): (34, 1.10),
+    ("Tokyo", "London"): (210, 0.366),
+    ("Tokyo", "Frankfurt"): (223, 0.36),
+    ("Tokyo", "Ireland"): (199, 0.465),
+    ("Seoul", "London"): (238, 0.342),
+    ("Seoul", "Frankfurt"): (235, 0.358),
+    ("Seoul", "Ireland"): (228, 0.335),
+    ("London", "Frankfurt"): (14, 1.14),
+    ("London", "Ireland"): (12, 1.09),
+    ("Frankfurt", "Ireland"): (24, 1.08),
+    # The regional scenario's US links (DT-FM's case 4).
+    ("Virginia", "California"): (59, 1.05),
+    ("Oregon", "California"): (12, 1.25),
+    ("California", "Ohio"): (52, 1.02),
+}
+#: DT-FM's heterogeneous multi-region scenarios: the regions each one spreads devices over.
+DTFM_SCENARIOS: dict[str, list[str]] = {
+    "multi-universities": ["Ohio", "Virginia"],
+    "regional": ["Virginia", "Oregon", "California", "Ohio"],
+    "worldwide": ["Oregon", "Virginia", "Ohio", "Tokyo", "Seoul", "London", "Frankfurt", "Ireland"],
+}
+#: Between two machines of one region, DT-FM assumes 2 Gb/s and 10 ms.
+DTFM_IN_REGION = (10.0, 2.0)
+
+
+def dtfm_topology(scenario: str, sites_per_region: int = 1, nodes_per_site: int = 1) -> Topology:
+    """One of DT-FM's multi-region scenarios, scaled: every region holds `sites_per_region`
+    sites of `nodes_per_site` 8-GPU A100 nodes.
+
+    Sites of one region are joined at DT-FM's in-region 2 Gb/s and 10 ms; sites of two
+    regions by that pair's measured link (every region pair of the scenario, a full mesh,
+    as in DT-FM). At sites_per_region = 1 and 64 GPUs in all this is DT-FM's own setting.
+    """
+    if scenario not in DTFM_SCENARIOS:
+        raise ValueError(f"unknown DT-FM scenario {scenario!r}; one of {sorted(DTFM_SCENARIOS)}")
+    model, mem, tflops, nvlink, price = GPU_KINDS[0]
+    regions = DTFM_SCENARIOS[scenario]
+    names = {r: [f"{r.lower()}{i}" for i in range(sites_per_region)] for r in regions}
+    site_docs = [
+        {
+            "name": name,
+            "gpu_price_per_hour": price,
+            "intra_site_gbps": 800,
+            "nodes": [
+                {
+                    "name": "n",
+                    "count": nodes_per_site,
+                    "gpu": {
+                        "model": model,
+                        "count": GPUS_PER_NODE,
+                        "memory_gb": mem,
+                        "tflops": tflops,
+                    },
+                    "intra_node_gbps": nvlink,
+                }
+            ],
+        }
+        for r in regions
+        for name in names[r]
+    ]
+
+    def link(a: str, b: str, latency: float, gbps: float) -> dict[str, object]:
+        return {
+            "a": a,
+            "b": b,
+            "bandwidth_gbps": gbps,
+            "latency_ms": latency,
+            "transport": "tcp",
+            "price_per_gb": 0.02,
+        }
+
+    links = []
+    for i, ra in enumerate(regions):
+        sites = names[ra]
+        latency, gbps = DTFM_IN_REGION
+        links += [link(a, b, latency, gbps) for j, a in enumerate(sites) for b in sites[j + 1 :]]
+        for rb in regions[i + 1 :]:
+            latency, gbps = DTFM_LINKS.get((ra, rb)) or DTFM_LINKS[(rb, ra)]
+            links += [link(a, b, latency, gbps) for a in sites for b in names[rb]]
+    return Topology.model_validate({"sites": site_docs, "links": links})

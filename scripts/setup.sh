@@ -2,7 +2,9 @@
 # Set up everything cpn needs on a fresh Debian machine, idempotently:
 #   - a virtual environment in .venv with torch pinned to the CPU build (an unpinned torch
 #     pulls gigabytes of CUDA packages), then cpn itself (editable) with its dev tools;
-#   - iproute2 (ip, tc) for the emulated-WAN benchmarks, when it is missing and we are root;
+#   - iproute2 (ip, tc) for `cpn demo`'s emulated sites and the benchmarks, and Debian's
+#     chromium and chromium-driver for the dashboard's browser test, when they are missing
+#     and we are root;
 #   - Slurm's controller, node daemon and client, and munge (Debian's slurmctld, slurmd,
 #     slurm-client, munge) when we are root: the Slurm backend's tests start a real
 #     cluster on this host (tests/slurm_cluster.py) and fail, not skip, without them;
@@ -27,8 +29,43 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1
     || ! command -v sbatch >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing Slurm (slurmctld, slurmd, slurm-client) and munge"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-            slurmctld slurmd slurm-client munge >/dev/null
+        install="apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge"
+        DEBIAN_FRONTEND=noninteractive $install >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $install >/dev/null; }
+    fi
+fi
+
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing chromium and chromium-driver (the dashboard's browser test)"
+        install="apt-get install -y -q --no-install-recommends chromium chromium-driver"
+        # A fresh machine may not have the package lists yet.
+        DEBIAN_FRONTEND=noninteractive $install >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $install >/dev/null; } \
+            || echo "setup: WARNING: could not install chromium (the dashboard's browser test needs it)"
+    fi
+fi
+
+# uPlot, the dashboard's chart library: from the npm registry, served by `cpn serve` from
+# api/ui/vendor/ (nothing is fetched from a CDN when the page is viewed).
+UPLOT=1.6.32
+VENDOR=api/ui/vendor
+if [ "$(cat "$VENDOR/VERSION" 2>/dev/null)" != "$UPLOT" ]; then
+    if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing npm (to fetch the dashboard's chart library)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends npm >/dev/null || true
+    fi
+    mkdir -p build
+    if command -v npm >/dev/null 2>&1 && (cd build && npm pack --silent "uplot@$UPLOT" >/dev/null); then
+        echo "setup: vendored uPlot $UPLOT (npm) into $VENDOR"
+        mkdir -p "$VENDOR"
+        tar -xzf "build/uplot-$UPLOT.tgz" -C build \
+            package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE
+        cp build/package/dist/uPlot.iife.min.js build/package/dist/uPlot.min.css "$VENDOR/"
+        cp build/package/LICENSE "$VENDOR/uPlot.LICENSE"
+        echo "$UPLOT" > "$VENDOR/VERSION"
+    else
+        echo "setup: WARNING: no uPlot (needs npm): the dashboard at /ui shows no charts"
     fi
 fi
 

@@ -40,7 +40,7 @@ def _root(
 
 def _register() -> None:
     # Importing a command module registers its commands on `app`.
-    from cpn.cli import agent, db, jobs, keys, plan, serve, worker  # noqa: F401, PLC0415
+    from cpn.cli import agent, db, demo, jobs, keys, plan, serve, worker  # noqa: F401, PLC0415
 
 
 def main() -> None:

@@ -50,6 +50,11 @@ MAX_GPU_MEMORY_GB = 1e5
 MAX_TFLOPS = 1e6
 MAX_MILLISECONDS = 1e6  # about 17 minutes of latency or RTT
 MAX_PRICE = 1e6
+#: Physical floors: anything slower is an outage or a typo, and the tiny positive values
+#: below them (1e-12 Gb/s, 1e-300 TFLOP/s) make times that no scheduler can represent.
+MIN_GBPS = 1e-3  # a megabit per second
+MIN_TFLOPS = 1e-3  # a GFLOP/s
+MIN_GPU_MEMORY_GB = 1e-3  # a megabyte
 
 _NAME = re.compile(NAME_PATTERN)
 _AGENT_ID = re.compile(AGENT_ID_PATTERN)
@@ -94,7 +99,7 @@ AgentId = Annotated[
 Label = Annotated[
     str, StringConstraints(min_length=1, max_length=LABEL_MAX), AfterValidator(_label)
 ]
-Gbps = Annotated[float, Field(gt=0, le=MAX_GBPS, allow_inf_nan=False)]
+Gbps = Annotated[float, Field(ge=MIN_GBPS, le=MAX_GBPS, allow_inf_nan=False)]
 Milliseconds = Annotated[float, Field(ge=0, le=MAX_MILLISECONDS, allow_inf_nan=False)]
 Price = Annotated[float, Field(ge=0, le=MAX_PRICE, allow_inf_nan=False)]
 Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]

@@ -18,6 +18,8 @@ from cpn.contracts.limits import (
     MAX_GPUS_PER_NODE,
     MAX_NICS_PER_NODE,
     MAX_TFLOPS,
+    MIN_GPU_MEMORY_GB,
+    MIN_TFLOPS,
     Gbps,
     Label,
     Milliseconds,
@@ -51,10 +53,13 @@ class GpuSpec(_Strict):
     model: Label
     count: int = Field(ge=1, le=MAX_GPUS_PER_NODE, description="GPUs in one node")
     memory_gb: float = Field(
-        gt=0, le=MAX_GPU_MEMORY_GB, allow_inf_nan=False, description="memory of one GPU, GiB"
+        ge=MIN_GPU_MEMORY_GB,
+        le=MAX_GPU_MEMORY_GB,
+        allow_inf_nan=False,
+        description="memory of one GPU, GiB",
     )
     tflops: float = Field(
-        gt=0,
+        ge=MIN_TFLOPS,
         le=MAX_TFLOPS,
         allow_inf_nan=False,
         description="peak dense TFLOP/s of one GPU in the job's dtype",

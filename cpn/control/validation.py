@@ -48,6 +48,9 @@ from cpn.contracts.limits import (
     MAX_RDMA_PORT,
     MAX_TFLOPS,
     MESSAGE_MAX,
+    MIN_GBPS,
+    MIN_GPU_MEMORY_GB,
+    MIN_TFLOPS,
     is_agent_id,
     is_label,
     is_name,
@@ -98,14 +101,25 @@ def _label(value: str, field: str, *, required: bool = False, max_len: int = LAB
 
 
 def _number(
-    value: float, field: str, *, positive: bool = False, upper: float | None = None
+    value: float,
+    field: str,
+    *,
+    positive: bool = False,
+    upper: float | None = None,
+    lower: float | None = None,
+    zero_means: str | None = None,
 ) -> None:
+    """A finite number ≥ 0 (> 0 if `positive`) within [lower, upper]; where `zero_means`
+    names what 0 stands for (unknown, link down), 0 is allowed below `lower`."""
     if not math.isfinite(value):
         raise InvalidField(field, f"must be a finite number, got {value}")
     if positive and value <= 0:
         raise InvalidField(field, f"must be > 0, got {value:g}")
     if value < 0:
         raise InvalidField(field, f"must be ≥ 0, got {value:g}")
+    if lower is not None and value < lower and not (value == 0 and zero_means is not None):
+        either = f"0 ({zero_means}) or " if zero_means is not None else ""
+        raise InvalidField(field, f"must be {either}≥ {lower:g}, got {value:g}")
     if upper is not None and value > upper:
         raise InvalidField(field, f"must be ≤ {upper:g}, got {value:g}")
 
@@ -227,7 +241,13 @@ def _node(node: pb.Node, where: str) -> NodeInfo:
         raise InvalidField(
             f"{where}.gpus", f"describes {len(node.gpus)} GPUs, gpu_count says {node.gpu_count}"
         )
-    _number(node.intra_node_gbps, f"{where}.intra_node_gbps", upper=MAX_GBPS)
+    _number(
+        node.intra_node_gbps,
+        f"{where}.intra_node_gbps",
+        lower=MIN_GBPS,
+        upper=MAX_GBPS,
+        zero_means="unknown",
+    )
     gpus = []
     indices: set[int] = set()
     for j, gpu in enumerate(node.gpus):
@@ -238,8 +258,10 @@ def _node(node: pb.Node, where: str) -> NodeInfo:
             raise InvalidField(f"{at}.index", f"duplicate GPU index {gpu.index}")
         indices.add(gpu.index)
         _label(gpu.model, f"{at}.model", required=True)
-        _number(gpu.memory_gb, f"{at}.memory_gb", positive=True, upper=MAX_GPU_MEMORY_GB)
-        _number(gpu.tflops, f"{at}.tflops", upper=MAX_TFLOPS)
+        _number(gpu.memory_gb, f"{at}.memory_gb", lower=MIN_GPU_MEMORY_GB, upper=MAX_GPU_MEMORY_GB)
+        _number(
+            gpu.tflops, f"{at}.tflops", lower=MIN_TFLOPS, upper=MAX_TFLOPS, zero_means="unknown"
+        )
         _label(gpu.uuid, f"{at}.uuid")
         gpus.append(
             GpuInfo(
@@ -271,7 +293,9 @@ def _node(node: pb.Node, where: str) -> NodeInfo:
                 raise InvalidField(f"{at}.roce_version", f"must be 1 or 2, got {nic.roce_version}")
         elif nic.roce_version != 0:
             raise InvalidField(f"{at}.roce_version", f"only for RoCE ports, got {nic.roce_version}")
-        _number(nic.rate_gbps, f"{at}.rate_gbps", upper=MAX_GBPS)
+        _number(
+            nic.rate_gbps, f"{at}.rate_gbps", lower=MIN_GBPS, upper=MAX_GBPS, zero_means="unknown"
+        )
         nics.append(
             NicInfo(
                 device=nic.device,
@@ -335,7 +359,13 @@ def heartbeat_request(
                 f"second measurement to {link.peer_site!r} (also links[{peers[link.peer_site]}])",
             )
         peers[link.peer_site] = i
-        _number(link.bandwidth_gbps, f"{where}.bandwidth_gbps", upper=MAX_GBPS)
+        _number(
+            link.bandwidth_gbps,
+            f"{where}.bandwidth_gbps",
+            lower=MIN_GBPS,
+            upper=MAX_GBPS,
+            zero_means="link down",
+        )
         _number(link.rtt_ms, f"{where}.rtt_ms", upper=MAX_MILLISECONDS)
         assert now is not None
         at = timestamp_ms(link.measured_at_unix_ms, f"{where}.measured_at_unix_ms", now)

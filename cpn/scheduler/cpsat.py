@@ -50,10 +50,16 @@ from functools import reduce
 from ortools.sat.python import cp_model
 from ortools.sat.python import cp_model_helper as cmh
 
+from cpn.errors import InfeasibleError
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.realize import Counts
 
 PS = 1e12  # picoseconds per second: the time unit inside the model
+#: Largest time the model represents (2^55 ps ≈ 10 hours): every bound on a time variable
+#: stays below it, so that sums of a few of them, times the micro-batches, fit CP-SAT's
+#: 64-bit integers. A step that would take longer means a link or GPU far too slow for the
+#: job, which is refused as infeasible instead of overflowing.
+MAX_MODEL_PS = 2**55
 #: Most (stage, site, site) flow variables the time model builds; beyond this each site
 #: keeps arcs to its nearest sites only (plus the arcs a starting solution needs).
 ARC_BUDGET = 20_000
@@ -291,7 +297,7 @@ class PlacementModel:
                     m.add(self.n[(p + 1, a)] == stay + sum(inc.get((p, a), [])))
 
         def ps(seconds: float) -> int:
-            return max(0, round(seconds * PS))
+            return max(0, within_horizon(seconds * PS, "one transfer or compute step"))
 
         # compute_p: the slowest group the stage uses.
         horizon_c = max(ps(c) for row in inst.compute for c in row)
@@ -321,14 +327,19 @@ class PlacementModel:
                     fixed = ps(2 * route.latency_ms / 1e3)
                     per = ps(w.hop_seconds(route, 1, 1.0)) - fixed
                     terms.append((fixed, per, f, self.u[(q, a, b)]))
-            ub = max((fx + per * dp for fx, per, _, _ in terms), default=0)
+            ub = within_horizon(
+                max((fx + per * dp for fx, per, _, _ in terms), default=0),
+                f"the hop from stage {p} to stage {p + 1}",
+            )
             bnd = m.new_int_var(0, ub, f"bnd{p}")
             for fixed, per, var, lit in terms:
                 ct = m.add(bnd >= fixed + per * var)
                 if lit is not None:
                     ct.only_enforce_if(lit)
             self.boundary.append(bnd)
-        t_ub = max(horizon_c + bounds(b)[1] for b in self.boundary)
+        t_ub = within_horizon(
+            max(horizon_c + bounds(b)[1] for b in self.boundary), "one pipeline slot"
+        )
         self.slot = m.new_int_var(0, t_ub, "slot")
         for p in range(pp):
             m.add(self.slot >= self.compute[p] + self.boundary[p])
@@ -376,7 +387,10 @@ class PlacementModel:
                     steps = w.dp_wan_steps(2) * (self.k[p] - 1)
                     max_steps = w.dp_wan_steps(kmax)
                     coefs = {pr: (per_msg[pr], round(unit * per_byte[pr])) for pr in routes}
-                    wan_ub = max(lat * max_steps + coef * max(vols) for lat, coef in coefs.values())
+                    wan_ub = within_horizon(
+                        max(lat * max_steps + coef * max(vols) for lat, coef in coefs.values()),
+                        f"stage {p}'s data-parallel sync across sites",
+                    )
                     wan = m.new_int_var(0, wan_ub, f"dpw{p}")
                     for (a, b), (lat, coef) in coefs.items():
                         m.add(wan >= lat * steps + coef * vol).only_enforce_if(
@@ -396,13 +410,15 @@ class PlacementModel:
         counts: Counts,
         objective: Objective | None = None,
         cap: tuple[Objective, int] | None = None,
+        seconds: float | None = None,
     ) -> int | None:
         """Hint the solver with a placement, completed to every variable of the model.
 
         Counts without flows pin only the shard counts; the pinned solve then chooses the
         flows (best for `objective`). Returns the placement's value of `objective` (default:
         the time if the model has time, else the bytes) in the model's units, or None if it
-        breaks a constraint or the `cap` on the other objective.
+        breaks a constraint or the `cap` on the other objective (or when the pinned solve
+        runs past `seconds`).
 
         A hint of the decision variables alone leaves CP-SAT to complete it by search,
         which took seconds on 256 sites; a complete feasible hint is taken as the first
@@ -418,9 +434,13 @@ class PlacementModel:
         if cap is not None:
             pinned.add(rebase(self.objective(cap[0]), pinned) <= cap[1])
         pinned.minimize(rebase(self.objective(objective), pinned))
-        solver = cp_model.CpSolver()
+        solver = new_solver()
         solver.parameters.num_workers = 1
         solver.parameters.max_deterministic_time = 5.0
+        if seconds is not None:
+            # A wall-clock cap too: on dense networks (a full mesh of 64 sites) the pinned
+            # time model took seconds of a 10 s budget on a loaded machine.
+            solver.parameters.max_time_in_seconds = max(0.01, seconds)
         status = solver.solve(pinned)
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             for i in range(len(m.proto.variables)):
@@ -456,6 +476,31 @@ class PlacementModel:
         if self.with_time:
             flows.update({k: solver.value(v) for k, v in self.f.items() if solver.value(v)})
         return Counts(shards, flows)
+
+
+def within_horizon(value_ps: float, what: str) -> int:
+    """`value_ps` as an integer, or InfeasibleError if the model cannot represent it."""
+    if not math.isfinite(value_ps) or value_ps > MAX_MODEL_PS:
+        raise InfeasibleError(
+            f"{what} would take more than {MAX_MODEL_PS / PS / 3600:.0f} hours on these GPUs "
+            "and links: a link or GPU is far too slow for this job"
+        )
+    return round(value_ps)
+
+
+def new_solver() -> cp_model.CpSolver:
+    """A CP-SAT solver that every solve in the scheduler uses.
+
+    OR-Tools 9.15's presolve certifies wrong optima through its inclusion detection
+    (google/or-tools#5293, open): on a 3-site time model it proved 0.3003 s "OPTIMAL"
+    where a 0.2503 s placement of the same model exists (tests/unit/test_scheduler.py,
+    `test_time_model_optimum_survives_presolve`). `presolve_inclusion_work_limit = 0`
+    switches that family off and leaves the rest of presolve on, as the issue reports;
+    on the bench instances it changed neither the plans nor the solve times measurably.
+    """
+    solver = cp_model.CpSolver()
+    solver.parameters.presolve_inclusion_work_limit = 0
+    return solver
 
 
 def configure(
@@ -497,7 +542,7 @@ def run(
         other, cap_value = bound_other
         m.add(model.objective(other) <= cap_value)
     m.minimize(expr)
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     configure(solver, settings, seconds, wall_cap)
     start = time.perf_counter()
     status = solver.solve(m)

@@ -19,6 +19,7 @@ import numpy as np
 from cpn.contracts.plan import ShardPlacement
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.pool import FreeGpus
+from cpn.scheduler.time_flows import hop_coefficients, pair_costs
 
 
 def _by_size(inst: Instance) -> list[str]:
@@ -175,3 +176,115 @@ def _whole_replicas(inst: Instance, site: str) -> int:
             break
         count += 1
     return count
+
+
+def cluster_blocks(inst: Instance, length: int, near: bool = True) -> list[ShardPlacement] | None:
+    """Blocks of `length` stages, each block position on its own tight cluster: for time.
+
+    `cluster_replicas` keeps every replica in one site, so every stage syncs over the
+    same sites, which on a network with slow links may have to include slow pairs. Here
+    the stages are cut into blocks of `length` consecutive stages; for each block
+    position in turn, the sites with room for whole blocks are grown into the cluster
+    whose slowest pair is fastest (as `cluster_replicas` does, on what earlier block
+    positions left free), and dp blocks are placed there. Replicas cross the WAN between
+    block positions (their flows are spread afterwards by `time_flows`); each stage syncs
+    only inside its block position's cluster. With `near`, a cluster's score also counts
+    the hop from the block position before (`_arrival_hop`), so consecutive clusters sit
+    close; without it, only the sync counts (better where sync dominates).
+    """
+    w = inst.workload
+    dp, pp = inst.dp, inst.pp
+    if length >= pp or pp % length:
+        return None
+    free = FreeGpus(inst)
+    out: list[ShardPlacement] = []
+    slots = w.micro_batches + pp - 1
+    per_msg, per_byte = pair_costs(inst)
+    previous: list[str] = []  # the sites of the block position before
+    for first in range(0, pp, length):
+        stages = range(first, first + length)
+        room = {s: _blocks_room(free, s, stages, dp) for s in inst.sites}
+        hosts = [s for s in inst.sites if room[s] > 0]
+        if sum(room[s] for s in hosts) < dp:
+            return None
+        n = len(hosts)
+        k_guess = max(2, min(n, -(-dp // max(room.values()))))
+        volume, steps = w.dp_wan_per_leader(first, k_guess), w.dp_wan_steps(k_guess)
+        at = [inst.site_index[s] for s in hosts]
+        idx = np.ix_(at, at)
+        cost = steps * per_msg[idx] + volume * per_byte[idx]
+        np.fill_diagonal(cost, 0.0)
+        capacity = np.array([room[s] for s in hosts])
+        best: tuple[float, list[int]] | None = None
+        for seed in range(n):
+            chosen, worst, have, slowest = [seed], cost[seed].copy(), int(capacity[seed]), 0.0
+            while have < dp:
+                masked = worst.copy()
+                masked[chosen] = np.inf
+                nxt = int(np.argmin(masked))
+                if not np.isfinite(masked[nxt]):
+                    break
+                slowest = max(slowest, float(masked[nxt]))
+                chosen.append(nxt)
+                worst = np.maximum(worst, cost[nxt])
+                have += int(capacity[nxt])
+            if have >= dp:
+                # The replicas arriving from the block position before pay its slowest
+                # hop in every pipeline slot: count it, spread over the pairs.
+                score = slowest
+                if near:
+                    score += slots * _arrival_hop(inst, previous, [hosts[i] for i in chosen])
+                if best is None or score < best[0]:
+                    best = (score, chosen)
+        if best is None:
+            return None
+        previous = [hosts[i] for i in best[1]]
+        replica = 0
+        for i in sorted(best[1], key=lambda i: -capacity[i]):
+            site = hosts[i]
+            for _ in range(room[site]):
+                if replica == dp:
+                    break
+                for p in stages:
+                    got = free.take(site, p)
+                    if got is None:
+                        return None
+                    out.append(
+                        ShardPlacement(
+                            replica=replica, stage=p, site=site, node=got[0], gpus=got[1]
+                        )
+                    )
+                replica += 1
+        if replica < dp:
+            return None
+    return _sorted(out)
+
+
+def _blocks_room(free: FreeGpus, site: str, stages: range, most: int) -> int:
+    """Whole blocks of `stages` that fit in what `free` has left at `site` (up to `most`)."""
+    taken: list[tuple[str, list[int]]] = []
+    count = 0
+    while count < most:
+        got = [free.take(site, p) for p in stages]
+        taken += [g for g in got if g is not None]
+        if any(g is None for g in got):
+            break
+        count += 1
+    for node, gpus in reversed(taken):
+        free.give_back(site, node, gpus)
+    return count
+
+
+def _arrival_hop(inst: Instance, before: list[str], after: list[str]) -> float:
+    """Estimated slowest hop of dp replicas from sites `before` to sites `after`.
+
+    Each arriving site takes its share of dp from its nearest site before, the replicas
+    spread evenly over the pairs (`time_flows` spreads them); 0 for the first block.
+    """
+    if not before:
+        return 0.0
+    per_pair = max(1, -(-inst.dp // (len(before) * len(after))))
+    alpha, beta = hop_coefficients(inst)
+    idx = np.ix_([inst.site_index[s] for s in before], [inst.site_index[s] for s in after])
+    hop = alpha[idx] + beta[idx] * per_pair
+    return float(hop.min(axis=0).max())

@@ -47,6 +47,9 @@ class Instance:
     fits: list[list[bool]]  # fits[stage][group]: the stage's memory fits the group's GPUs
     compute: list[list[float]]  # compute[stage][group]: seconds per micro-batch
     site_index: dict[str, int] = field(default_factory=dict)
+    #: Derived tables that several phases need (e.g. `time_flows.hop_coefficients`),
+    #: computed once per instance.
+    cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.site_index = {s: i for i, s in enumerate(self.sites)}

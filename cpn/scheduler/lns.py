@@ -27,7 +27,14 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from cpn.scheduler.cpsat import Objective, PlacementModel, SolverSettings, configure, rebase
+from cpn.scheduler.cpsat import (
+    Objective,
+    PlacementModel,
+    SolverSettings,
+    configure,
+    new_solver,
+    rebase,
+)
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.realize import Counts
 
@@ -76,7 +83,7 @@ def improve(
         target = rebase(expr, sub)
         sub.add(target <= value - 1)  # strictly better, or prove there is nothing
         sub.minimize(target)
-        solver = cp_model.CpSolver()
+        solver = new_solver()
         step = min(STEP_DTIME, max(0.01, dtime_budget - spent)) / settings.dtime_per_second
         left = deadline - time.perf_counter()
         configure(solver, SolverSettings(seed=settings.seed + steps), step, left)

@@ -41,6 +41,7 @@ from cpn.scheduler.realize import (
     realize,
 )
 from cpn.scheduler.time_bound import TimeBound, iteration_time_bound
+from cpn.scheduler.time_flows import balanced_flows, hop_coefficients
 
 #: Up to this many candidate sites the time phase may move shards between sites; beyond
 #: it (with the bytes objective) it keeps the bytes phase's counts and chooses flows only.
@@ -70,11 +71,13 @@ class Solved:
     report: SolverReport
 
 
-def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
+def _starting_points(inst: Instance, objective: Objective, spread: bool = True) -> list[Counts]:
     """The baselines and constructive heuristics, best first, as counts with flows.
 
     Each candidate's replicas are re-matched across stages (`complete_flows`), which
-    only removes needless crossings.
+    only removes needless crossings. For the time objective with `spread`, each also gets
+    the flows of `time_flows.balanced_flows` when they are faster, and the clustered
+    blocks of `heuristics.cluster_blocks` join the candidates.
     """
     key = objective_key(objective)
     scored: list[tuple[tuple[float, float], int, Counts]] = []
@@ -85,11 +88,23 @@ def _starting_points(inst: Instance, objective: Objective) -> list[Counts]:
         baselines.round_robin,
     ]
     makers += [partial(heuristics.blocks, length=n) for n in heuristics.block_lengths(inst.pp)]
+    if spread and objective is Objective.ITERATION_TIME:
+        makers += [
+            partial(heuristics.cluster_blocks, length=n, near=near)
+            for n in heuristics.block_lengths(inst.pp)
+            if n < inst.pp
+            for near in (True, False)
+        ]
+    hops = hop_coefficients(inst) if spread and objective is Objective.ITERATION_TIME else None
     for i, make in enumerate(makers):
         shards = make(inst)
         if shards is None:
             continue
         counts = complete_flows(inst, Counts(counts_of(inst, shards).shards))
+        if hops is not None:
+            # For time, spread the crossing replicas over pairs of sites (time_flows): for
+            # the same counts these flows are the fastest (tests/unit/test_scheduler_time).
+            counts = balanced_flows(inst, counts, hops) or counts
         scored.append((key(evaluate_shards(inst, realize(inst, counts))), i, counts))
     return [counts for _, _, counts in sorted(scored, key=lambda t: (t[0], t[1]))]
 
@@ -172,7 +187,10 @@ def optimise(
     began = time.perf_counter()
     deadline = began + seconds
     # The start's value under the cap `run` adds below (None: no incumbent for LNS).
-    start_units = model.hint(start, objective, cap) if start is not None else None
+    # The time model's pinned solve can take seconds on dense networks: cap it by the
+    # phase's budget (the compact model's is quick and keeps its deterministic limit).
+    hint_wall = seconds if model.with_time else None
+    start_units = model.hint(start, objective, cap, hint_wall) if start is not None else None
     large = len(model.inst.sites) > FULL_TIME_MODEL_SITES
     first = seconds * (FULL_SOLVE_SHARE if large else 1.0)
     wall = max(0.05, min(2 * first, deadline - time.perf_counter()))
@@ -194,8 +212,11 @@ def optimise(
             counts, units = result.counts, result.value
             if model.with_time:
                 # LNS returns counts only; read the flows back from a pinned solve.
-                model.hint(counts, objective, cap)
-                counts = _flows_of_hint(model, counts)
+                left = max(0.05, deadline - time.perf_counter())
+                if model.hint(counts, objective, cap, left) is not None:
+                    counts = _flows_of_hint(model, counts)
+                else:  # the pinned solve ran out of time: the greedy flows will do
+                    counts = complete_flows(model.inst, Counts(counts.shards))
     if report.value != units * scale:
         report = PhaseReport(
             objective, report.status, time.perf_counter() - began, units * scale, report.bound
@@ -221,7 +242,7 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     def left() -> float:
         return max(0.05, budget - (time.perf_counter() - start))
 
-    starts = _starting_points(inst, objective)
+    starts = _starting_points(inst, objective, spread=settings.patterns)
     seed = starts[0] if starts else None
     key = objective_key(objective)
 
@@ -238,14 +259,24 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
 
     # Phase 1: bytes on the compact model (exact for bytes; also the fastest way to a
     # feasible placement, which the time model then starts from).
-    compact = PlacementModel(inst, with_time=False)
-    if pattern is not None:
-        for prices in pattern.cuts:
-            add_cuts(compact, pattern.problem, prices)
-        # CP-SAT stops as soon as a placement meets the pattern bound.
-        compact.m.add(compact.wan_units >= pattern.bound // compact.bytes_unit)
-    share = 0.6 if objective is Objective.WAN_BYTES else 0.25
-    first = optimise(compact, Objective.WAN_BYTES, seed, settings, left() * share)
+    # For time on many sites the starts are feasible and faster than what a bytes
+    # optimum would give; the budget goes to the time phase instead.
+    skip_bytes = (
+        objective is Objective.ITERATION_TIME
+        and settings.patterns
+        and seed is not None
+        and len(inst.sites) > FULL_TIME_MODEL_SITES
+    )
+    first: Optimised | None = None
+    if not skip_bytes:
+        compact = PlacementModel(inst, with_time=False)
+        if pattern is not None:
+            for prices in pattern.cuts:
+                add_cuts(compact, pattern.problem, prices)
+            # CP-SAT stops as soon as a placement meets the pattern bound.
+            compact.m.add(compact.wan_units >= pattern.bound // compact.bytes_unit)
+        share = 0.6 if objective is Objective.WAN_BYTES else 0.25
+        first = optimise(compact, Objective.WAN_BYTES, seed, settings, left() * share)
     if first is not None:
         counts = complete_flows(inst, first.counts)
         best_units: int | None = first.units
@@ -294,6 +325,14 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
 
     shards = realize(inst, counts)
     ev = evaluate_shards(inst, shards)
+    if settings.patterns and objective is Objective.ITERATION_TIME:
+        # The search's flows may still pile replicas on one pair of sites: spread them.
+        spread = balanced_flows(inst, counts)
+        if spread is not None:
+            spread_shards = realize(inst, spread)
+            spread_ev = evaluate_shards(inst, spread_shards)
+            if key(spread_ev) < key(ev):
+                shards, ev = spread_shards, spread_ev
     if seed is not None:
         # Only when a phase ran out of time can the start be better: never return worse.
         seed_shards = realize(inst, seed)

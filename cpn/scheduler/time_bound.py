@@ -20,8 +20,10 @@ and the bound is the smaller of the two. Its parts:
     dp-th fastest slot that fits it;
   - sync of stage p over k sites: the in-site phase wherever a site must hold two replicas
     (k < dp), plus the WAN phase, `Workload.dp_wan_seconds`, whose slowest pair among k
-    sites is at least, for the best site a, the (k − 1)-th cheapest pair from a (a has
-    k − 1 partners in the set; the most expensive is no cheaper than that).
+    sites is at least, for the best site a, the cheapest c such that a's partners costing
+    ≤ c include k − 1 that hold, with a, room for dp replicas of the stage (a has k − 1
+    partners in the set, the set holds the stage, and its most expensive pair from a is
+    no cheaper than that).
 
 Pair costs come from `Route.seconds` (the cost model's one formula), evaluated for all
 pairs at once with numpy.
@@ -30,14 +32,15 @@ pairs at once with numpy.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
-import numpy.typing as npt
 
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.patterns.classes import site_classes
+from cpn.scheduler.time_flows import hop_coefficients, pair_costs
 
 #: Relative margin taken off the bound for floating-point rounding.
 FLOAT_MARGIN = 1e-9
@@ -49,6 +52,7 @@ class TimeBound:
     crossing_free: float  # the least time of placements without a WAN crossing (A)
     crossing: float  # the least time of placements with one (B); inf if pp = 1
     compute: float  # the least slowest compute per micro-batch any placement has
+    sites_per_stage: float = 0.0  # (C): sync against crossings, by sites per stage
 
 
 def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
@@ -96,19 +100,6 @@ def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
     return max(joint, *per_stage), per_stage
 
 
-def _pair_costs(inst: Instance) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Per pair of candidate sites: seconds per message and per byte (inf: no route)."""
-    n = len(inst.sites)
-    per_msg = np.full((n, n), np.inf)
-    per_byte = np.full((n, n), np.inf)
-    for i, a in enumerate(inst.sites):
-        for j, b in enumerate(inst.sites):
-            if i != j and (route := inst.graph.route(a, b)) is not None:
-                per_msg[i, j] = route.seconds(0, 1)
-                per_byte[i, j] = route.seconds(1, 0)
-    return per_msg, per_byte
-
-
 def iteration_time_bound(inst: Instance) -> TimeBound:
     """No placement of `inst` has a predicted iteration time below `.seconds`."""
     w = inst.workload
@@ -116,24 +107,46 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
     sites = inst.sites
     fabric = {s: inst.intra_site_gbps(s) for s in sites}
     caps = {(p, s): min(dp, inst.site_slots(s, p)) for p in range(pp) for s in sites}
-    per_msg, per_byte = _pair_costs(inst)
+    per_msg, per_byte = pair_costs(inst)
 
     joint, per_stage = _compute_floor(inst)
 
     hosts_of = [tuple(i for i, s in enumerate(sites) if caps[(p, s)] > 0) for p in range(pp)]
     best_fabric = max(fabric.values())
-    wan_cache: dict[tuple[float, int, tuple[int, ...], int], float] = {}
+    wan_cache: dict[tuple[float, int, tuple[int, ...], tuple[int, ...], int], float] = {}
 
-    def wan(volume: float, steps: int, hosts: tuple[int, ...], k: int) -> float:
-        """Least slowest pair of any k of `hosts` for this volume and message count."""
-        key = (volume, steps, hosts, k)
-        if key not in wan_cache:
-            idx = np.ix_(hosts, hosts)
-            cost = steps * per_msg[idx] + volume * per_byte[idx]
-            np.fill_diagonal(cost, np.inf)
-            # The (k − 1)-th cheapest partner of each site; the best site bounds every set.
-            kth = np.partition(cost, k - 2, axis=1)[:, k - 2]
-            wan_cache[key] = float(kth.min())
+    def wan(p: int, k: int) -> float:
+        """Least slowest pair of any k sites of stage p that can hold its dp replicas.
+
+        Any such set Σ holds some site a; a's k − 1 partners in Σ all cost at most the
+        phase, and with a they hold dp replicas: so the phase is at least, for the best a,
+        the least cost c such that a's partners costing ≤ c include k − 1 whose room with
+        a's is ≥ dp. The k − 1 roomiest of a prefix have room Σ_v (v − v⁻)·min(k − 1,
+        #partners with room ≥ v) over the distinct room values v (layer cake).
+        """
+        hosts = hosts_of[p]
+        volume, steps = w.dp_wan_per_leader(p, k), w.dp_wan_steps(k)
+        room_of = tuple(caps[(p, sites[i])] for i in hosts)
+        key = (volume, steps, hosts, room_of, k)
+        if key in wan_cache:
+            return wan_cache[key]
+        idx = np.ix_(hosts, hosts)
+        cost = steps * per_msg[idx] + volume * per_byte[idx]
+        np.fill_diagonal(cost, np.inf)
+        room = np.array(room_of)
+        order = np.argsort(cost, axis=1, kind="stable")
+        ranked = np.take_along_axis(cost, order, axis=1)  # partners, cheapest first
+        partner_room = room[order]
+        values = np.unique(room)
+        steps_v = np.diff(np.concatenate([[0], values]))
+        # at_least[a, j, v]: partners among a's j + 1 cheapest with room ≥ values[v].
+        at_least = np.cumsum(partner_room[:, :, None] >= values[None, None, :], axis=1)
+        top = (steps_v[None, None, :] * np.minimum(k - 1, at_least)).sum(axis=2)
+        enough = (top >= (dp - room)[:, None]) & (np.arange(len(hosts)) >= k - 2)[None, :]
+        enough &= np.isfinite(ranked)
+        first = np.where(enough.any(axis=1), enough.argmax(axis=1), -1)
+        values_a = [ranked[a, j] for a, j in enumerate(first) if j >= 0]
+        wan_cache[key] = float(min(values_a)) if values_a else math.inf
         return wan_cache[key]
 
     def sync(p: int, k: int) -> float:
@@ -146,7 +159,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
             return intra
         if len(hosts_of[p]) < k:
             return math.inf
-        return intra + wan(w.dp_wan_per_leader(p, k), w.dp_wan_steps(k), hosts_of[p], k)
+        return intra + wan(p, k)
 
     kmin = []
     for p in range(pp):
@@ -191,7 +204,10 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         least_sync = max(min(sync(p, k) for k in range(kmin[p], kmax[p] + 1)) for p in range(pp))
         best_b = (m + pp - 1) * slot + least_sync
 
-    bound = min(best_a, best_b)
+    best_c, best_bc = _sites_per_stage_bound(inst, sync, kmin, kmax, joint, per_stage, caps, fabric)
+    best_b = max(best_b, best_bc)  # both hold when some replica crosses
+
+    bound = max(min(best_a, best_b), best_c)
     if not math.isfinite(bound):
         bound = (m + pp - 1) * joint
     return TimeBound(
@@ -199,4 +215,93 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         crossing_free=best_a,
         crossing=best_b,
         compute=joint,
+        sites_per_stage=best_c,
     )
+
+
+def _sites_per_stage_bound(
+    inst: Instance,
+    sync: Callable[[int, int], float],
+    kmin: list[int],
+    kmax: list[int],
+    joint: float,
+    per_stage: list[float],
+    caps: dict[tuple[int, str], int],
+    fabric: dict[str, float],
+) -> tuple[float, float]:
+    """(C) The trade between few sites per stage (cheap sync) and crossings (slow hops).
+
+    Say stage p spans k_p sites. Its sync is at least sync(p, k_p), so D ≥ d :=
+    max_p sync(p, k_p), and every k_p lies in K_p(d) = {k : sync(p, k) ≤ d}. At boundary
+    p, replicas stay in a site only where it holds both stages: at most min(k_p, k_p+1)
+    sites, each keeping at most u_s = min(⌊slots_s / 2⌋, room of p, room of p + 1) (the
+    two stages share its slots); and a site holding n of stage p keeps at most slots − n
+    for stage p + 1, so the stays are also at most (slots of the k_p roomiest sites that
+    can host p) − dp, and likewise from p + 1. So at least x = dp − (the least of these)
+    replicas cross, over at most k_p·k_p+1 pairs of sites: some pair carries
+    ⌈x / (k_p·k_p+1)⌉ of them, and c replicas on a WAN pair take at least α + β·c per
+    micro-batch with α, β the least over pairs (`time_flows.hop_coefficients`); with no
+    crossing, some site still moves ⌈dp / min(k_p, k_p+1)⌉ through its fabric. Boundary p
+    is therefore at least H_p(d), the least of that over k_p ∈ K_p(d), k_p+1 ∈ K_p+1(d),
+    and no placement is faster than min over d of (m + pp − 1)·max(joint compute,
+    max_p(compute_p + H_p(d))) + d, d ranging over the values sync(p, k) (the true d is
+    one of them).
+
+    Returns (C, C_B): C_B is the same bound for the placements in which some replica
+    crosses the WAN at some boundary q, whose hop is then also at least one replica's
+    α + β (case B); the least over q of that is added to the slot.
+    """
+    w = inst.workload
+    dp, pp, m = inst.dp, inst.pp, w.micro_batches
+    if pp < 2:
+        return 0.0, 0.0
+    alpha, beta = hop_coefficients(inst)
+    off = ~np.eye(len(inst.sites), dtype=bool) & np.isfinite(alpha)
+    if not off.any():
+        return 0.0, 0.0
+    a_min, b_min = float(alpha[off].min()), float(beta[off].min())
+    best_fabric = max(fabric.values())
+    ks = range(1, dp + 1)
+    table = {(p, k): sync(p, k) for p in range(pp) for k in range(kmin[p], kmax[p] + 1)}
+    # H[p][i, j]: least boundary-p hop with k_p = i + 1 sites and k_p+1 = j + 1.
+    hops = []
+    # top[p][k]: slots of the k roomiest sites that can host stage p (see the docstring).
+    top = []
+    for p in range(pp):
+        room = sorted((inst.site_slots(s) for s in inst.sites if caps[(p, s)] > 0), reverse=True)
+        top.append(np.cumsum([0, *room]))
+    for p in range(pp - 1):
+        keep = sorted(
+            (min(inst.site_slots(s) // 2, caps[(p, s)], caps[(p + 1, s)]) for s in inst.sites),
+            reverse=True,
+        )
+        stays = np.cumsum([0, *keep])  # stays[c]: most replicas staying in c sites
+        i = np.arange(1, dp + 1)[:, None]  # k_p
+        j = np.arange(1, dp + 1)[None, :]  # k_p+1
+        common = np.minimum(i, j)
+        most = np.minimum(
+            stays[np.minimum(common, len(keep))],
+            np.minimum(
+                top[p][np.minimum(i, len(top[p]) - 1)] - dp,
+                top[p + 1][np.minimum(j, len(top[p + 1]) - 1)] - dp,
+            ),
+        )
+        cross = dp - np.maximum(0, most)
+        # Inside a site: some site moves ⌈dp / common⌉ replicas through its fabric.
+        local = np.array([w.hop_seconds(None, -(-dp // c), best_fabric) for c in range(1, dp + 1)])
+        h = np.where(
+            cross > 0, a_min + b_min * np.ceil(np.maximum(cross, 0) / (i * j)), local[common - 1]
+        )
+        hops.append(h)
+    one_hop = a_min + b_min
+    best, best_crossing = math.inf, math.inf
+    for d in sorted({v for v in table.values() if math.isfinite(v)}):
+        allowed = [np.array([table.get((p, k), math.inf) <= d for k in ks]) for p in range(pp)]
+        if not all(a.any() for a in allowed):
+            continue
+        least = [float(hops[p][np.ix_(allowed[p], allowed[p + 1])].min()) for p in range(pp - 1)]
+        slot = max(joint, *(per_stage[p] + least[p] for p in range(pp - 1)))
+        crossing = min(per_stage[q] + max(least[q], one_hop) for q in range(pp - 1))
+        best = min(best, (m + pp - 1) * slot + d)
+        best_crossing = min(best_crossing, (m + pp - 1) * max(slot, crossing) + d)
+    return best, best_crossing

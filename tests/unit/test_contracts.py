@@ -66,7 +66,8 @@ def test_missing_field_is_named(topo_doc: dict, tmp_path: Path) -> None:
 def test_negative_bandwidth_is_named(topo_doc: dict, tmp_path: Path) -> None:
     topo_doc["links"][0]["bandwidth_gbps"] = -5
     msg = error_of(load_topology, write(tmp_path, "t.yaml", topo_doc))
-    assert "links[0].bandwidth_gbps" in msg and "greater than 0" in msg and "-5" in msg
+    assert "links[0].bandwidth_gbps" in msg and "greater than or equal to 0.001" in msg
+    assert "-5" in msg
 
 
 def test_link_to_unknown_site_is_named(topo_doc: dict, tmp_path: Path) -> None:
@@ -196,6 +197,12 @@ HOSTILE_TOPOLOGIES = [
     ("sites.0.nodes.0.gpu.count", 2**40, "sites[0].nodes[0].gpu.count"),
     ("sites.0.nodes.0.name", "n0\n", "sites[0].nodes[0].name"),
     ("sites.0.name", "x" * 65, "sites[0].name"),
+    # Tiny positive values: no scheduler can represent the times they make.
+    ("links.0.bandwidth_gbps", 1e-12, "links[0].bandwidth_gbps"),
+    ("sites.0.intra_site_gbps", 5e-324, "sites[0].intra_site_gbps"),
+    ("sites.0.nodes.0.intra_node_gbps", 1e-300, "sites[0].nodes[0].intra_node_gbps"),
+    ("sites.0.nodes.0.gpu.tflops", 1e-300, "sites[0].nodes[0].gpu.tflops"),
+    ("sites.0.nodes.0.gpu.memory_gb", 5e-324, "sites[0].nodes[0].gpu.memory_gb"),
 ]
 
 

@@ -18,9 +18,17 @@ from sqlalchemy.exc import SQLAlchemyError
 from cpn.control.db_status import database_status
 from cpn.control.errors import MAX_DETAILS_BYTES
 from cpn.registry import Registry, create_job
-from cpn.registry.models import Site, Task
+from cpn.registry.models import Event, Site, Task
 from proto.cpn.v1 import agent_pb2 as pb
-from tests.control_harness import auth, control_server, inventory, registry_digest, stub
+from tests.control_harness import (
+    ServerThread,
+    auth,
+    control_server,
+    inventory,
+    registry_digest,
+    stub,
+    wait_for,
+)
 
 MB = "x" * (1 << 20)
 NOW_MS = int(time.time() * 1000)
@@ -62,6 +70,14 @@ HEARTBEATS: dict[str, tuple[dict[str, Any], str]] = {
         {"links": [_link(measured_at_unix_ms=NOW_MS - 3 * 86_400_000)]},
         "links[0].measured_at_unix_ms:",
     ),
+    "tiny bandwidth": (
+        {"links": [_link(bandwidth_gbps=1e-12)]},
+        "links[0].bandwidth_gbps: must be 0 (link down) or ≥ 0.001, got 1e-12",
+    ),
+    "subnormal bandwidth": (
+        {"links": [_link(bandwidth_gbps=5e-324)]},
+        "links[0].bandwidth_gbps: must be 0 (link down) or ≥ 0.001",
+    ),
     "unknown peer site": (
         {"links": [_link(peer_site="zz")]},
         "links[0].peer_site: unknown site 'zz'",
@@ -93,8 +109,13 @@ REPORTS: dict[str, tuple[dict[str, Any], str]] = {
         {"bytes": pb.LinkBytes(wan=2**64 - 1)},
         "bytes.wan: must be ≤ 9223372036854775807",
     ),
-    "unknown job": ({"job_id": "nope"}, "job_id: unknown job 'nope'"),
-    "rank the job does not have": ({"rank": 7}, "rank: job 'job-1' has ranks 0..1, got 7"),
+    "unknown job": ({"job_id": "nope"}, "job_id: no launch order for job 'nope'"),
+    "a job never launched here": (
+        {"job_id": "job-2"},
+        "job_id: no launch order for job 'job-2' was sent to agent 'agent-1'",
+    ),
+    "rank the job does not have": ({"rank": 7}, "rank: job 'job-1' has no rank 7 at site 'a'"),
+    "rank placed at another site": ({"rank": 2}, "rank: job 'job-1' has no rank 2 at site 'a'"),
     "NUL in a message": ({"message": "bad\0news"}, "message: 'bad\\x00news'"),
     "escape in a checkpoint id": ({"checkpoint_id": "c\x1b[2J"}, "checkpoint_id: 'c\\x1b[2J'"),
     "a megabyte of job id": ({"job_id": MB}, "job_id: at most 64 characters"),
@@ -144,6 +165,11 @@ REGISTRATIONS: dict[str, tuple[Callable[[pb.RegisterRequest], None], str]] = {
 }
 
 
+def _launch_recorded(srv: ServerThread) -> bool:
+    with srv.registry.read() as s:
+        return s.query(Event).filter(Event.kind == "order_queued").count() == 1
+
+
 def _refusal(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         call()
@@ -158,9 +184,14 @@ def test_hostile_values_are_named_and_nothing_is_stored(db_url: str) -> None:
     with control_server(db_url, **quiet) as srv:
         channel, client = stub(srv.server.port)
         lease = client.Register(_register(lambda r: None), metadata=auth("a"), timeout=10).lease_id
-        plan = {"parallel": {"dp": 2, "tp": 1, "pp": 1}}
         with srv.registry.write() as s:
-            create_job(s, "job-1", "job-1").plan = plan
+            create_job(s, "job-1", "job-1").plan = {"parallel": {"dp": 3, "tp": 1, "pp": 1}}
+            create_job(s, "job-2", "job-2")  # submitted, never launched
+        # The orchestration's launch order for agent-1: ranks 0 and 1 at site a, 2 at b.
+        ranks = [pb.RankAssignment(rank=r, site=site) for r, site in ((0, "a"), (1, "a"), (2, "b"))]
+        order = pb.Assignment(order_id="o-1", launch=pb.LaunchOrder(job_id="job-1", ranks=ranks))
+        srv.on_loop(lambda: srv.server.dispatcher.submit("a", "agent-1", order))
+        wait_for(lambda: _launch_recorded(srv), what="the launch order's event")
         before = registry_digest(srv.registry)
         cases: list[tuple[str, Any, Any, str]] = []
         for case, (fields, expected) in HEARTBEATS.items():
@@ -181,6 +212,21 @@ def test_hostile_values_are_named_and_nothing_is_stored(db_url: str) -> None:
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert details.startswith("site: this token is for site 'a', not 'xxx")
         assert len(details.encode()) <= 200
+        assert registry_digest(srv.registry) == before
+        # Another agent of the same site may not report on agent-1's ranks.
+        other = _register(lambda r: setattr(r, "agent_id", "agent-2"))
+        for node in other.inventory.nodes:
+            node.name = f"other-{node.name}"
+        lease_2 = client.Register(other, metadata=auth("a"), timeout=10).lease_id
+        before = registry_digest(srv.registry)
+        code, details = _refusal(
+            lambda: client.ReportTaskStatus(
+                _report(lease_2, agent_id="agent-2", state=pb.TASK_STATE_FAILED),
+                metadata=auth("a"),
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details == "job_id: no launch order for job 'job-1' was sent to agent 'agent-2'"
         assert registry_digest(srv.registry) == before
         # The same lease and job still work.
         now_ms = int(time.time() * 1000)

@@ -158,7 +158,24 @@ BAD_INVENTORIES = {
     ),
     "zero memory": (
         lambda r: setattr(r.inventory.nodes[0].gpus[0], "memory_gb", 0.0),
-        "inventory.nodes[0].gpus[0].memory_gb: must be > 0",
+        "inventory.nodes[0].gpus[0].memory_gb: must be ≥ 0.001, got 0",
+    ),
+    # Tiny positive values pass "≥ 0" but make times no scheduler can represent.
+    "a subnormal memory": (
+        lambda r: setattr(r.inventory.nodes[0].gpus[0], "memory_gb", 5e-324),
+        "inventory.nodes[0].gpus[0].memory_gb: must be ≥ 0.001, got 4.94066e-324",
+    ),
+    "tiny TFLOP/s": (
+        lambda r: setattr(r.inventory.nodes[0].gpus[0], "tflops", 1e-300),
+        "inventory.nodes[0].gpus[0].tflops: must be 0 (unknown) or ≥ 0.001, got 1e-300",
+    ),
+    "tiny in-node bandwidth": (
+        lambda r: setattr(r.inventory.nodes[0], "intra_node_gbps", 1e-300),
+        "inventory.nodes[0].intra_node_gbps: must be 0 (unknown) or ≥ 0.001, got 1e-300",
+    ),
+    "tiny NIC rate": (
+        lambda r: setattr(r.inventory.nodes[0].rdma_nics[0], "rate_gbps", 1e-12),
+        "inventory.nodes[0].rdma_nics[0].rate_gbps: must be 0 (unknown) or ≥ 0.001, got 1e-12",
     ),
     "not a number": (
         lambda r: setattr(r.inventory.nodes[0].rdma_nics[0], "rate_gbps", math.nan),

@@ -9,7 +9,9 @@ from typing import TypeVar
 
 import pytest
 
-from agents.probe import MAX_TRANSFER_BYTES, ProbeServer, measure
+from agents.links import LinkBook
+from agents.probe import MAX_TRANSFER_BYTES, ProbeResult, ProbeServer, measure
+from cpn.contracts.limits import MIN_GBPS
 
 T = TypeVar("T")
 
@@ -46,3 +48,14 @@ def test_an_oversized_transfer_request_is_hung_up_on() -> None:
 def test_an_unreachable_peer_raises() -> None:
     with pytest.raises(OSError):
         asyncio.run(measure("127.0.0.1:1", pings=1, timeout=5))
+
+
+def test_a_link_slower_than_the_protocol_floor_is_reported_down() -> None:
+    """The control plane refuses 0 < bandwidth < MIN_GBPS; the agent sends 0 (down)."""
+    book = LinkBook()
+    book.record("b", ProbeResult(bandwidth_gbps=1e-6, rtt_ms=900.0, measured_at=1.0))
+    book.record("c", ProbeResult(bandwidth_gbps=MIN_GBPS, rtt_ms=10.0, measured_at=1.0))
+    assert [(m.peer_site, m.bandwidth_gbps) for m in book.pending()] == [
+        ("b", 0.0),
+        ("c", MIN_GBPS),
+    ]

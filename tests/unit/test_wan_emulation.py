@@ -1,21 +1,14 @@
-"""bench/wan_emulation.py: tbf settings, and (as root) namespaces built, shaped, removed."""
+"""cpn/emulated_wan.py: tbf settings, and (as root) namespaces built, shaped, removed."""
 
 from __future__ import annotations
 
-import importlib.util
+import socket
+import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-# bench/ is not a package: load the script by its path, without putting bench/ on sys.path.
-_spec = importlib.util.spec_from_file_location(
-    "wan_emulation", Path(__file__).resolve().parents[2] / "bench" / "wan_emulation.py"
-)
-assert _spec is not None and _spec.loader is not None
-wan_emulation = importlib.util.module_from_spec(_spec)
-sys.modules["wan_emulation"] = wan_emulation
-_spec.loader.exec_module(wan_emulation)
+from cpn import emulated_wan as wan_emulation
 
 # Not the benchmark's prefix, so a test never sweeps away the namespaces of a running bench.
 PREFIX = "cpnwantest"
@@ -65,3 +58,49 @@ def test_removed_on_error_and_stale_namespaces_swept() -> None:
     with wan_emulation.EmulatedWan(1, None, prefix=PREFIX):
         assert f"{PREFIX}-s7" not in wan_emulation.namespaces(PREFIX)
     assert wan_emulation.namespaces(PREFIX) == []
+
+
+def test_bad_settings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="subnet"):
+        wan_emulation.EmulatedWan(2, subnet="10.0.0")
+    with pytest.raises(ValueError, match="host_link"):
+        wan_emulation.EmulatedWan(2, host_link=True)
+    with pytest.raises(ValueError, match="ifprefix"):
+        wan_emulation.EmulatedWan(2, ifprefix="toolong7")
+
+
+def _echo_from_root(wan: wan_emulation.EmulatedWan, site: int) -> bytes:
+    """Connect from this (root) namespace to a listener inside `site`'s namespace."""
+    server = (
+        "import socket,sys; s=socket.create_server((sys.argv[1], 47999)); print(1, flush=True);"
+        " c,_=s.accept(); c.sendall(b'site'); c.close()"
+    )
+    argv = [*wan.prefix(site), sys.executable, "-c", server, wan.address(site)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"1"
+        with socket.create_connection((wan.address(site), 47999), timeout=5) as conn:
+            return conn.recv(16)
+    finally:
+        proc.wait(10)
+
+
+# Issue 12's names and /24: a host link in the root namespace, per-site rates.
+HOSTED, IFPREFIX, SUBNET = "c12u", "c12u", "198.18.12"
+
+
+@needs_netns
+def test_host_link_reaches_every_site_and_goes_with_the_rest() -> None:
+    with wan_emulation.EmulatedWan(
+        2, [30, None], prefix=HOSTED, subnet=SUBNET, ifprefix=IFPREFIX, host_link=True
+    ) as wan:
+        assert wan.interface == "c12uwan0" and wan.host_address == "198.18.12.1"
+        assert sorted(wan_emulation.leftovers(HOSTED, IFPREFIX)) == [
+            "c12u-hub", "c12u-s0", "c12u-s1", "c12uhost",
+        ]  # fmt: skip
+        for site in range(2):  # the root namespace reaches each site over the bridge
+            assert _echo_from_root(wan, site) == b"site"
+        qdiscs = [wan_emulation._run([*wan.prefix(i), "tc", "qdisc", "show"]) for i in range(2)]
+        assert "tbf" in qdiscs[0] and "rate 30Mbit" in qdiscs[0]
+        assert "tbf" not in qdiscs[1]
+    assert wan_emulation.leftovers(HOSTED, IFPREFIX) == []

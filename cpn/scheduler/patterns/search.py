@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from cpn.scheduler.cpsat import PlacementModel, SolverSettings, configure
+from cpn.scheduler.cpsat import PlacementModel, SolverSettings, configure, new_solver
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.patterns.bound import Prices, exact_bound
 from cpn.scheduler.patterns.branching import branch_on_sites
@@ -60,7 +60,7 @@ def trim(
     for (p, s), n in model.n.items():
         model.m.add(n <= patterns[s][p])
     model.m.minimize(model.wan_units)
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     configure(solver, settings, seconds, seconds * WALL_FACTOR)
     solver.parameters.num_workers = 1
     status = solver.solve(model.m)

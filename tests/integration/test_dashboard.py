@@ -1,0 +1,118 @@
+"""The dashboard at /ui in Debian's headless chromium (driven by selenium through the
+system's chromedriver; no browser is downloaded): `cpn serve` with three agents and a
+running job; the page shows the sites, the measured links and the job, and its loss
+chart gains points as the job trains. A screenshot is saved beside the test's files."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+
+from api.routes.ui import UPLOT
+from tests.processes import wait_until
+from tests.service_harness import Cluster, cluster, make_key, tiny_job
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    assert CHROMIUM and CHROMEDRIVER, "scripts/setup.sh installs chromium and chromium-driver"
+    options = Options()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1300"):  # fmt: skip
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _texts(driver: WebDriver, css: str) -> list[str]:
+    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+
+
+def _attrs(driver: WebDriver, css: str, name: str) -> set[str]:
+    found = (e.get_attribute(name) for e in driver.find_elements(By.CSS_SELECTOR, css))
+    return {a for a in found if a is not None}
+
+
+def _points(driver: WebDriver, chart: str) -> int:
+    return int(driver.find_element(By.ID, chart).get_attribute("data-points") or 0)
+
+
+@pytest.fixture(scope="module")
+def three_sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with cluster(tmp_path_factory.mktemp("ui"), {"a": 2, "b": 1, "c": 1}) as c:
+        yield c
+
+
+def test_the_page_needs_nothing_from_elsewhere(three_sites: Cluster) -> None:
+    assert UPLOT.exists(), "scripts/setup.sh vendors uPlot from npm into api/ui/vendor/"
+    url = three_sites.url
+    page = httpx.get(f"{url}/ui").text
+    for ref in ("/ui/static/app.js", "/ui/static/style.css", "/ui/static/vendor/uPlot.iife.min.js"):
+        assert ref in page
+        assert httpx.get(f"{url}{ref}").status_code == 200
+    assert "http://" not in page and "https://" not in page
+    script = httpx.get(f"{url}/ui/static/app.js").text
+    assert "innerHTML" not in script  # server values go in as text, never as markup
+
+
+def test_dashboard_shows_sites_links_and_a_live_loss_chart(
+    three_sites: Cluster, tmp_path: Path, browser: WebDriver
+) -> None:
+    c = three_sites
+    key = make_key(c.db_url, "viewer")
+    client = c.client(key)
+    job = client.submit(tiny_job("dash", dp=2, pp=2, steps=100_000))
+    try:
+        wait_until(lambda: client.job(job.id).state.value == "running", 120, "the job to run")
+        browser.get(f"{c.url}/ui#key={key}")
+        wait_until(lambda: len(_texts(browser, "#sites tbody tr")) == 3, 30, "three sites")
+        sites = {
+            e.get_attribute("data-site")
+            for e in browser.find_elements(By.CSS_SELECTOR, "#sites tr[data-site]")
+        }
+        assert sites == {"a", "b", "c"}
+        links = {
+            e.get_attribute("data-link")
+            for e in browser.find_elements(By.CSS_SELECTOR, "#links tr[data-link]")
+        }
+        assert links == {"a|b", "a|c", "b|c"}
+        assert all("Mbit/s" in t for t in _texts(browser, "#links tbody tr"))
+        running = f'#jobs tr[data-job="{job.id}"][data-state="running"]'
+        wait_until(lambda: _texts(browser, running), 30, "the running job in the jobs table")
+        row = browser.find_element(By.CSS_SELECTOR, f'#jobs tr[data-job="{job.id}"]').text
+        assert "a: 2 GPUs" in row and "b: 1 GPU" in row and "c: 1 GPU" in row, row
+        # The loss chart is drawn (a uPlot canvas) and gains points as the job trains.
+        first = wait_until(lambda: _points(browser, "loss-chart"), 60, "loss points")
+        wait_until(lambda: _points(browser, "loss-chart") > first + 2, 60, "the chart to update")
+        assert browser.find_elements(By.CSS_SELECTOR, "#loss-chart canvas")
+        assert _points(browser, "wan-chart") > 0
+        assert "job_state" in {
+            e.get_attribute("data-kind")
+            for e in browser.find_elements(By.CSS_SELECTOR, "#events li")
+        }
+        assert not browser.find_element(By.ID, "error").is_displayed()
+        time.sleep(2.5)  # one more refresh, so the screenshot shows a moving job
+        shot = tmp_path / "dashboard.png"
+        assert browser.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+    finally:
+        client.cancel(job.id)

@@ -1,0 +1,33 @@
+"""`cpn demo`'s bad input: one line, exit 2, before anything is started."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.processes import CPN
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--report", "{file}"], "--report: {file}: exists and is not a directory"),
+        (["--report", "{file}/sub"], "--report: {file}/sub: {file} is not a directory"),
+        (["--steps", "1"], "Invalid value for '--steps'"),
+        (["--ddp-steps", "0"], "Invalid value for '--ddp-steps'"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    argv = [a.replace("{file}", str(file)) for a in args]
+    done = subprocess.run(
+        [*CPN, "demo", *argv, "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message.replace("{file}", str(file)) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "work").exists()  # nothing was started

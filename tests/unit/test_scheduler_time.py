@@ -1,0 +1,67 @@
+"""The iteration-time side of the scheduler: spread pipeline flows and the proven bound,
+checked against exhaustive enumeration on tiny instances."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, assume, event, given, settings
+
+from cpn.contracts import JobSpec, Topology
+from cpn.costmodel import Workload
+from cpn.errors import InfeasibleError
+from cpn.scheduler import Objective
+from cpn.scheduler.bruteforce import brute_force
+from cpn.scheduler.instance import Instance, build_instance
+from cpn.scheduler.realize import Counts, complete_flows, counts_of, evaluate_shards, realize
+from cpn.scheduler.solve import objective_key
+from cpn.scheduler.time_bound import iteration_time_bound
+from cpn.scheduler.time_flows import balanced_flows
+from tests.scheduler_cases import tiny_cases
+
+SLOW_OK = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _time_optimum(case: tuple[Topology, JobSpec]) -> tuple[Instance, Counts, float] | None:
+    topo, spec = case
+    try:
+        inst = build_instance(topo, Workload.of(spec))
+    except InfeasibleError:
+        return None
+    best = brute_force(inst, objective_key(Objective.ITERATION_TIME))
+    if best is None:
+        return None
+    return inst, counts_of(inst, best[0]), best[1].iteration_seconds
+
+
+@SLOW_OK
+@given(tiny_cases())
+def test_balanced_flows_are_the_fastest_for_their_counts(case: tuple[Topology, JobSpec]) -> None:
+    found = _time_optimum(case)
+    assume(found is not None)
+    assert found is not None
+    inst, optimal, optimum = found
+    # The optimal placement's counts with their flows forgotten: the spread flows find a
+    # placement as fast as the optimum, i.e. they are the best flows for these counts.
+    spread = balanced_flows(inst, Counts(optimal.shards))
+    assert spread is not None
+    value = evaluate_shards(inst, realize(inst, spread)).iteration_seconds
+    assert value <= optimum * (1 + 1e-9)
+    # ... and never slower than the greedy flows (what the starts had before).
+    greedy = complete_flows(inst, Counts(optimal.shards))
+    greedy_value = evaluate_shards(inst, realize(inst, greedy)).iteration_seconds
+    event(f"greedy flows slower: {greedy_value > value * (1 + 1e-9)}")
+    assert value <= greedy_value * (1 + 1e-9)
+
+
+@SLOW_OK
+@given(tiny_cases())
+def test_every_part_of_the_time_bound_is_below_the_optimum(case: tuple[Topology, JobSpec]) -> None:
+    found = _time_optimum(case)
+    assume(found is not None)
+    assert found is not None
+    inst, _, optimum = found
+    bound = iteration_time_bound(inst)
+    largest = bound.sites_per_stage >= min(bound.crossing_free, bound.crossing)
+    event(f"sites-per-stage part is the largest: {largest}")
+    assert min(bound.crossing_free, bound.crossing) <= optimum * (1 + 1e-9)
+    assert bound.sites_per_stage <= optimum * (1 + 1e-9)
+    assert 0 < bound.seconds <= optimum
