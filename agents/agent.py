@@ -276,6 +276,7 @@ class Agent:
                             state=pb.TASK_STATE_FAILED,
                             exit_code=-1,
                             message=f"cannot launch: {exc}",
+                            epoch=order.epoch,
                         )
                     )
 

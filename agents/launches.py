@@ -126,7 +126,9 @@ class LaunchManager:
                 files.error(r.rank),
             ):
                 path.unlink(missing_ok=True)
-            base = TaskUpdate(job_id=order.job_id, rank=r.rank, state=pb.TASK_STATE_STARTING)
+            base = TaskUpdate(
+                job_id=order.job_id, rank=r.rank, state=pb.TASK_STATE_STARTING, epoch=order.epoch
+            )
             ranks.append(
                 _Rank(
                     rank=r.rank,
