@@ -254,9 +254,8 @@ class Agent:
                 await self._launch(order)
             elif which == "stop":
                 log.info("order %s: stop job %s", assignment.order_id, assignment.stop.job_id)
-                task = asyncio.create_task(
-                    self.launches.stop(assignment.stop.job_id, assignment.stop.reason)
-                )
+                stop = assignment.stop
+                task = asyncio.create_task(self.launches.stop(stop.job_id, stop.reason, stop.epoch))
                 stops.add(task)
                 task.add_done_callback(stops.discard)
             else:

@@ -58,6 +58,7 @@ class _Rank:
 @dataclass
 class _Launch:
     job_id: str
+    epoch: int
     node: str
     process: asyncio.subprocess.Process
     files: RunFiles
@@ -84,6 +85,8 @@ class LaunchManager:
     advertise_host: str | None = None  # the address other nodes reach this one on
     stop_grace_s: float = 10.0
     _launches: dict[str, _Launch] = field(default_factory=dict)
+    #: (job, epoch) of every launch order carried out: a launch is done once per epoch.
+    _epochs: set[tuple[str, int]] = field(default_factory=set)
 
     def running(self, job_id: str) -> list[int]:
         run = self._launches.get(job_id)
@@ -107,9 +110,21 @@ class LaunchManager:
         if not mine:
             log.info("job %s: no ranks on this agent", order.job_id)
             return []
-        if order.job_id in self._launches and self._launches[order.job_id].running:
-            log.warning("job %s is already running here; launch order ignored", order.job_id)
+        if order.epoch and (order.job_id, order.epoch) in self._epochs:
+            log.warning(
+                "job %s epoch %d was launched here already; order ignored",
+                order.job_id,
+                order.epoch,
+            )
             return []
+        current = self._launches.get(order.job_id)
+        if current is not None and current.running:
+            if not order.epoch or current.epoch >= order.epoch:
+                log.warning("job %s is already running here; launch order ignored", order.job_id)
+                return []
+            await self.stop(order.job_id, f"superseded by epoch {order.epoch}")
+        if order.epoch:
+            self._epochs.add((order.job_id, order.epoch))
         files = RunFiles(self.work_dir / order.job_id)
         files.root.mkdir(parents=True, exist_ok=True)
         plan_path, job_path = files.root / "plan.json", files.root / "job.yaml"
@@ -147,7 +162,7 @@ class LaunchManager:
             for followed in ranks:
                 self._final(followed, pb.TASK_STATE_FAILED, 127, f"cannot start: {exc}")
             return []
-        run = _Launch(order.job_id, self.node, process, files, ranks)
+        run = _Launch(order.job_id, order.epoch, self.node, process, files, ranks)
         run.monitor = asyncio.create_task(self._monitor(run), name=f"launch-{order.job_id}")
         self._launches[order.job_id] = run
         log.info(
@@ -170,6 +185,9 @@ class LaunchManager:
         first = min(order.ranks, key=lambda r: r.rank)
         host = (first.site, first.node) == (self.site, self.node)
         argv = [
+            # The launcher dies with this agent (and its workers with it, cpn.train.guard):
+            # an agent killed with its host leaves nothing training behind.
+            sys.executable, "-m", "cpn.train.guard",
             sys.executable, "-m", "cpn", "launch",
             "--plan", str(plan_path), "--job", str(job_path),
             "--ranks", ",".join(str(r) for r in mine),
@@ -183,6 +201,11 @@ class LaunchManager:
             argv += ["--local-addr", self.advertise_host]
         if self.worker_command is not None:
             argv += ["--command", self.worker_command]
+        elif order.checkpoint_store:
+            argv += ["--checkpoint-store", order.checkpoint_store]
+            argv += ["--checkpoint-every", str(order.checkpoint_every)]
+        if self.worker_command is None and order.resume_from:
+            argv += ["--resume-from", order.resume_from]
         return argv
 
     def _env(
@@ -277,10 +300,14 @@ class LaunchManager:
         self._update(r, replace(r.last, state=state, exit_code=code, message=message[:4096]))
 
     # -- stopping --------------------------------------------------------------------------
-    async def stop(self, job_id: str, reason: str = "") -> int:
-        """SIGTERM the launcher (it ends its workers), SIGKILL its group after the grace."""
+    async def stop(self, job_id: str, reason: str = "", epoch: int = 0) -> int:
+        """SIGTERM the launcher (it ends its workers), SIGKILL its group after the grace.
+        Only a launch of `epoch` or older (0: any)."""
         run = self._launches.get(job_id)
         if run is None or not run.running:
+            return 0
+        if epoch and run.epoch > epoch:
+            log.info("job %s: stop of epoch %d ignored, epoch %d runs", job_id, epoch, run.epoch)
             return 0
         run.stopping, run.stop_reason = True, reason
         log.info("job %s: stopping %d workers (%s)", job_id, len(run.ranks), reason or "stop order")

@@ -43,6 +43,9 @@ class Cluster:
     http_port: int
     serve: Proc
     agents: dict[str, Proc]
+    serve_argv: list[str]
+    serve_env: dict[str, str]
+    tmp: Path
 
     @property
     def url(self) -> str:
@@ -51,29 +54,49 @@ class Cluster:
     def client(self, key: str) -> CpnClient:
         return CpnClient(self.url, key)
 
+    def restart_serve(self) -> None:
+        """Start `cpn serve` again (after it was stopped or killed), on the same ports and
+        database; returns once it is ready."""
+        assert not self.serve.alive()
+        self.serve = Proc(self.serve_argv, self.tmp / "serve.log", env=self.serve_env)
+        _wait_ready(self.http_port, self.serve)
+
+
+def _wait_ready(http_port: int, serve: Proc) -> None:
+    wait_until(
+        lambda: httpx.get(f"http://127.0.0.1:{http_port}/readyz", timeout=2).status_code == 200,
+        60,
+        "cpn serve to be ready",
+        serve,
+    )
+
 
 @contextmanager
 def cluster(
-    tmp: Path, gpus: dict[str, int], *serve_extra: str, env: dict[str, str] | None = None
+    tmp: Path,
+    gpus: dict[str, int],
+    *serve_extra: str,
+    env: dict[str, str] | None = None,
+    db_url: str | None = None,
+    lease_ttl: float = 10,
 ) -> Iterator[Cluster]:
-    """`cpn serve` on SQLite and one agent per site with that many virtual GPUs; returns
-    once every site is in the live topology with its WAN links measured."""
-    db_url = f"sqlite:///{tmp}/cpn.db"
+    """`cpn serve` (on SQLite unless `db_url` says otherwise) and one agent per site with
+    that many virtual GPUs; returns once every site is in the live topology with its WAN
+    links measured."""
+    db_url = db_url or f"sqlite:///{tmp}/cpn.db"
     grpc_port, http_port = free_port(), free_port()
     tokens = write_tokens(tmp / "tokens.yaml")
-    serve = Proc(
-        serve_argv(db_url, tokens, grpc_port, http_port, "--lease-ttl", "10", *serve_extra),
-        tmp / "serve.log",
-        env={"CPN_SCHEDULE_INTERVAL_S": "0.2", "CPN_STOP_GRACE_S": "8", **(env or {})},
-    )
+    heartbeat = min(3.0, lease_ttl / 4)
+    argv = serve_argv(
+        db_url, tokens, grpc_port, http_port, "--lease-ttl", f"{lease_ttl:g}",
+        "--heartbeat-interval", f"{heartbeat:g}", *serve_extra,
+    )  # fmt: skip
+    serve_env = {"CPN_SCHEDULE_INTERVAL_S": "0.2", "CPN_STOP_GRACE_S": "8", **(env or {})}
+    serve = Proc(argv, tmp / "serve.log", env=serve_env)
     agents: dict[str, Proc] = {}
+    made = Cluster(db_url, http_port, serve, agents, argv, serve_env, tmp)
     try:
-        wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{http_port}/readyz", timeout=2).status_code == 200,
-            60,
-            "cpn serve to be ready",
-            serve,
-        )
+        _wait_ready(http_port, serve)
         for site, n in gpus.items():
             agents[site] = Proc(
                 agent_argv(
@@ -95,8 +118,8 @@ def cluster(
                 return len(topo.sites) == len(gpus) and len(topo.links) == pairs
 
             wait_until(ready, 90, "every site live with its WAN links measured", serve)
-        yield Cluster(db_url, http_port, serve, agents)
+        yield made
     finally:
         for proc in agents.values():
             proc.stop()
-        serve.stop()
+        made.serve.stop()  # the one running now (a test may have restarted it)

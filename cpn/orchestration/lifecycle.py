@@ -5,11 +5,13 @@ log lines) as soon as one fails; and FAILED when an agent holding its GPUs is lo
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from cpn.orchestration import states
 from cpn.registry.models import (
+    Agent,
+    AgentStatus,
     Allocation,
     Gpu,
     GpuStatus,
@@ -20,6 +22,7 @@ from cpn.registry.models import (
     Site,
     Task,
     TaskState,
+    utcnow,
 )
 
 LAST_LINES = 20
@@ -41,15 +44,26 @@ def last_lines(session: Session, job_id: str, rank: int, n: int = LAST_LINES) ->
     return list(reversed(rows))
 
 
-def advance(session: Session, job: Job) -> JobState | None:
-    """Apply what the ranks reported to an active job; returns the new state if changed."""
+def advance(session: Session, job: Job, settle_s: float = 0.0) -> JobState | None:
+    """Apply what the ranks reported to an active job; returns the new state if changed.
+
+    A failed rank is judged `settle_s` after it failed (one lease TTL): when a site is
+    lost, the other sites' workers fail at once on their broken collectives, while the
+    lost agent is declared lost only when its lease expires. Waiting lets that loss be
+    seen as a loss (the job is planned again) rather than as its workers' failure."""
     if job.state not in states.ACTIVE:
         return None
-    tasks = {t.rank: t for t in session.scalars(select(Task).where(Task.job_id == job.id))}
+    tasks = {
+        t.rank: t
+        for t in session.scalars(select(Task).where(Task.job_id == job.id, Task.epoch == job.epoch))
+    }
     world = world_size(job)
     failed = sorted(r for r, t in tasks.items() if t.state is TaskState.FAILED)
     stopped = sorted(r for r, t in tasks.items() if t.state is TaskState.STOPPED)
     if failed or stopped:
+        first = min(tasks[r].updated_at for r in failed + stopped)
+        if settle_s and (utcnow() - first).total_seconds() < settle_s:
+            return None
         rank = failed[0] if failed else stopped[0]
         task = tasks[rank]
         lines = last_lines(session, job.id, rank)
@@ -95,11 +109,20 @@ def lost_gpus(session: Session, job_ids: list[str]) -> dict[str, str]:
     return out
 
 
-def live_tasks(session: Session, job_id: str) -> int:
+def live_tasks(session: Session, job: Job) -> int:
+    """Ranks of the job's current epoch that still run on an agent that is not lost."""
+    lost = (
+        select(Site.name, Agent.agent_id)
+        .join(Agent, Agent.site_id == Site.id)
+        .where(Agent.status == AgentStatus.LOST)
+    )
     return len(
         session.scalars(
             select(Task.rank).where(
-                Task.job_id == job_id, Task.state.in_((TaskState.STARTING, TaskState.RUNNING))
+                Task.job_id == job.id,
+                Task.epoch == job.epoch,
+                Task.state.in_((TaskState.STARTING, TaskState.RUNNING)),
+                tuple_(Task.site, Task.agent_id).not_in(lost),
             )
         ).all()
     )

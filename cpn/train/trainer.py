@@ -39,7 +39,7 @@ from cpn.comm import Traffic, new_groups
 from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, layout_problem
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
-from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable
+from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable, step_at
 from cpn.train.data import BatchSource
 from cpn.train.data_parallel import DP_SYNCS, DataParallelSync, DpSync
 from cpn.train.layout import Layout
@@ -63,6 +63,9 @@ class TrainOptions:
     checkpoint_every: int = 0  # steps; 0: only at the end when a store is given
     async_checkpoint: bool = True  # write in the background while training goes on
     resume: bool = False
+    #: One complete checkpoint step to resume from (`STORE/step-NNNNNNNN`), possibly of
+    #: another store than `checkpoint_store` (a site agent's order: an earlier epoch's).
+    resume_from: str | None = None
     stop_after: int | None = None  # run up to this step (exclusive) instead of train.steps
     metrics_path: Path | None = None  # JSON lines per step; "-" for standard output
     timeout_s: float = 300.0  # how long a collective waits for a peer
@@ -97,6 +100,11 @@ def check_launch(plan: Plan, job: JobSpec, world_size: int, rank: int, opts: Tra
         if opts.checkpoint_store is None:
             raise InputError("--resume: needs --checkpoint-store")
         check_resumable(CheckpointStore(opts.checkpoint_store), job)
+    if opts.resume_from:
+        if opts.resume:
+            raise InputError("--resume-from: not with --resume (which resumes from the newest)")
+        store, step = step_at(opts.resume_from)
+        check_resumable(store, job, step)
 
 
 def choose_device(requested: str | None, local_rank: int) -> torch.device:
@@ -221,15 +229,18 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the last complete checkpoint if asked to; the step to start from."""
-        if not self.opts.resume or self.store is None:
+        if self.opts.resume_from:
+            store, step = step_at(self.opts.resume_from)
+        elif self.opts.resume and self.store is not None:
+            store, step = self.store, check_resumable(self.store, self.job)
+        else:
             return 0
-        step = check_resumable(self.store, self.job)
-        info = self.store.info(step)
-        resumed = self.snapshot.load(self.store, step)
+        info = store.info(step)
+        resumed = self.snapshot.load(store, step)
         p = info.parallel
         log.info(
             "resumed from step %d of %s (written by dp=%d tp=%d pp=%d)",
-            resumed.step, self.store, p["dp"], p["tp"], p["pp"],
+            resumed.step, store, p["dp"], p["tp"], p["pp"],
         )  # fmt: skip
         if resumed.flushed_sites:
             log.warning(
