@@ -79,6 +79,7 @@ def cluster(
     env: dict[str, str] | None = None,
     db_url: str | None = None,
     lease_ttl: float = 10,
+    agent_extra: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """`cpn serve` (on SQLite unless `db_url` says otherwise) and one agent per site with
     that many virtual GPUs; returns once every site is in the live topology with its WAN
@@ -102,7 +103,7 @@ def cluster(
                 agent_argv(
                     site, grpc_port, tmp, "--virtual-gpus", str(n), "--gpu-memory-gb", "16",
                     "--gpu-tflops", "10", "--probe-interval", "1",
-                    "--probe-bytes", "65536",
+                    "--probe-bytes", "65536", *agent_extra,
                 ),
                 tmp / f"agent-{site}.log",
             )  # fmt: skip

@@ -150,6 +150,14 @@ class RecoverySpec(_Strict):
         le=INT32_MAX,
         description="steps between checkpoints (0: the control plane's default)",
     )
+    stuck_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 86_400,
+        allow_inf_nan=False,
+        description="a running rank that finishes no step for this long is stuck: handled "
+        "as a worker failure (None: never)",
+    )
 
 
 class JobSpec(_Strict):

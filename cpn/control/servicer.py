@@ -336,6 +336,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 previous = None
                 task.metrics_steps = 0
             task.epoch = r.epoch
+            now = utcnow()
+            if previous != r.state or r.step > (task.step or 0):
+                task.progressed_at = now  # started, or moved on: not stuck
             task.site = r.site
             task.agent_id = r.agent_id
             task.state = r.state
@@ -349,7 +352,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 task.checkpoint_id = r.checkpoint_id
             task.exit_code = r.exit_code if r.state in _FINAL else None
             task.message = r.message
-            task.updated_at = utcnow()
+            task.updated_at = now
             session.flush()
             record_task_output(
                 session, task, r.steps, r.log_lines, keep_lines=self.s.settings.log_lines_kept

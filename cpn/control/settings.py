@@ -80,6 +80,13 @@ class ControlSettings(BaseSettings):
     checkpoint_every: int = Field(
         default=50, ge=1, description="steps between checkpoints of a job that does not say"
     )
+    restart_backoff_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="a job restarted after a worker failure waits this long, doubled at each "
+        "restart (at most restart_backoff_max_s)",
+    )
+    restart_backoff_max_s: float = Field(default=300.0, ge=0)
     log_lines_kept: int = Field(
         default=2000, ge=10, le=1_000_000, description="worker output lines kept per rank"
     )

@@ -194,9 +194,10 @@ class Orchestrator:
                     why = f"the agent of {lost[job.id]} was lost (lease expired)"
                     recovery.reschedule(session, self.settings, job, why)
                     changed = True
-                elif lifecycle.advance(session, job, self._settle_s) in (
+                elif lifecycle.advance(session, job, self.settings, self._settle_s) in (
                     JobState.FAILED,
                     JobState.SUCCEEDED,
+                    JobState.RESCHEDULING,
                 ):
                     changed = True
         return changed

@@ -12,16 +12,17 @@ the same global batch, so the loss curve goes on from the checkpoint.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
-from cpn.contracts import JobSpec, Plan, Reservations, Topology
+from cpn.contracts import JobSpec, OnWorkerError, Plan, Reservations, Topology
 from cpn.control.settings import ControlSettings
 from cpn.errors import InfeasibleError, InputError
 from cpn.orchestration import states
-from cpn.registry.models import Job, JobState, JobStep, Task
+from cpn.registry.models import Job, JobState, JobStep, Task, utcnow
 from cpn.scheduler import SolverSettings, plan_job
 from cpn.train.checkpoint import CheckpointStore
 
@@ -76,6 +77,45 @@ def reschedule(session: Session, settings: ControlSettings, job: Job, why: str) 
     )
 
 
+def worker_failed(
+    session: Session,
+    settings: ControlSettings,
+    job: Job,
+    failure: dict[str, Any],
+    reason: str,
+) -> JobState:
+    """A rank failed in user code (or is stuck): the job's recovery policy decides. With
+    `on_worker_error: restart` and restarts left, the epoch is fenced and the job planned
+    again after a backoff (doubling per restart), from its last checkpoint; else FAILED,
+    with the rank, its exit code and last lines in `failure`."""
+    policy = JobSpec.model_validate(job.spec).recovery
+    if policy.on_worker_error is OnWorkerError.RESTART and job.restarts < policy.max_restarts:
+        job.restarts += 1
+        delay = min(
+            settings.restart_backoff_s * 2 ** (job.restarts - 1), settings.restart_backoff_max_s
+        )
+        job.not_before = utcnow() + timedelta(seconds=delay)
+        found = newest_checkpoint(settings, job)
+        if found is not None:
+            job.checkpoint = found
+        point = job.checkpoint
+        resume = f"from step {point['step']} (epoch {point['epoch']})" if point else "from step 0"
+        states.transition(
+            session,
+            job,
+            JobState.RESCHEDULING,
+            f"{reason}; restart {job.restarts} of {policy.max_restarts} in {delay:g} s, "
+            f"resuming {resume}",
+            data={"epoch": job.epoch, "checkpoint": point, "failure": failure},
+        )
+        return JobState.RESCHEDULING
+    if policy.on_worker_error is OnWorkerError.RESTART and policy.max_restarts:
+        reason += f" (after {job.restarts} restarts)"
+    job.failure = failure
+    states.transition(session, job, JobState.FAILED, reason, data={"failure": failure})
+    return JobState.FAILED
+
+
 def replan(
     spec: JobSpec,
     previous: Plan,
@@ -120,4 +160,11 @@ def restart_epoch(session: Session, job: Job) -> None:
     session.execute(delete(JobStep).where(JobStep.job_id == job.id, JobStep.step >= start))
 
 
-__all__ = ["epoch_store", "newest_checkpoint", "replan", "reschedule", "restart_epoch"]
+__all__ = [
+    "epoch_store",
+    "newest_checkpoint",
+    "replan",
+    "reschedule",
+    "restart_epoch",
+    "worker_failed",
+]

@@ -517,6 +517,8 @@ class Task(Base):
     #: twice (its reply was lost) is not counted twice.
     metrics_steps: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: When the rank last moved on: started, or reported a higher step (stuck detection).
+    progressed_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class Event(Base):

@@ -71,10 +71,12 @@ def upgrade() -> None:
 
     with op.batch_alter_table("tasks", schema=None) as batch_op:
         batch_op.add_column(sa.Column("epoch", sa.BigInteger(), nullable=False, server_default="0"))
+        batch_op.add_column(sa.Column("progressed_at", sa.DateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("tasks", schema=None) as batch_op:
+        batch_op.drop_column("progressed_at")
         batch_op.drop_column("epoch")
 
     with op.batch_alter_table("jobs", schema=None) as batch_op:

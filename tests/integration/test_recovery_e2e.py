@@ -143,3 +143,67 @@ def test_a_lost_site_is_planned_again_and_resumes_from_its_checkpoint(tmp_path: 
     for got, want in zip(series.steps, reference, strict=True):
         assert got.loss is not None
         assert abs(got.loss - want.loss) <= 1e-4 * abs(want.loss), (got.step, got.loss, want.loss)
+
+
+FLAKY = Path(__file__).resolve().parents[1] / "workers" / "flaky_worker.py"
+
+
+def _workers(job_id: str) -> list[int]:
+    """Pids of live worker processes of a job (its id is in their --job path)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if (
+            state != "Z"
+            and any(b"worker" in c for c in cmd)
+            and any(job_id.encode() in c for c in cmd)
+        ):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_failing_and_stuck_workers_follow_the_jobs_recovery_policy(tmp_path: Path) -> None:
+    restart = {"max_restarts": 2, "on_worker_error": "restart"}
+    env = {"CPN_RESTART_BACKOFF_S": "0.5", "CPN_STOP_GRACE_S": "5"}
+    command = f"{{python}} {FLAKY} {{plan}} {{job}} {{metrics}}"
+    with cluster(
+        tmp_path, {"a": 2, "b": 2}, env=env, lease_ttl=3, agent_extra=("--worker-command", command)
+    ) as c:
+        client = c.client(make_key(c.db_url, "alice"))
+        # Rank 1 fails once: restarted (a user error, not a loss), then it succeeds.
+        flaky = client.submit(tiny_job("flaky-job", dp=1, pp=2, steps=4, recovery=restart)).id
+        # Rank 1 fails every time: one restart, then FAILED naming it, with its last lines.
+        doomed = client.submit(
+            tiny_job("doomed-job", dp=1, pp=2, steps=4, recovery={**restart, "max_restarts": 1})
+        ).id
+        done = _wait_state(client, flaky, {"succeeded", "failed"}, 180)
+        assert done.state.value == "succeeded", (done.reason, done.failure)
+        assert (done.epoch, done.restarts, done.losses) == (2, 1, 0)
+        assert "rescheduling" in _moves(client, flaky)
+        again = next(e for e in client.events(flaky) if e.data.get("to") == "rescheduling")
+        assert "rank 1" in again.message and "injected failure in user code" in again.message
+        assert "restart 1 of 2" in again.message
+        failed = _wait_state(client, doomed, {"succeeded", "failed"}, 180)
+        assert failed.state.value == "failed"
+        assert (failed.epoch, failed.restarts, failed.losses) == (2, 1, 0)
+        assert failed.failure is not None and failed.failure.rank == 1
+        assert failed.failure.exit_code == 3
+        assert "error: injected failure in user code" in failed.failure.last_lines
+        assert failed.reason.startswith("rank 1 (") and "(after 1 restarts)" in failed.reason
+        # A rank that finishes no step is stuck: handled as a failure (here: fail).
+        stuck = client.submit(
+            tiny_job("stuck-job", dp=1, pp=2, steps=4, recovery={"stuck_after_s": 4})
+        ).id
+        ended = _wait_state(client, stuck, {"succeeded", "failed"}, 180)
+        assert (
+            ended.state.value == "failed" and "is stuck: no step finished for 4 s" in ended.reason
+        )
+        assert ended.failure is not None and ended.failure.message == "stuck"
+        wait_until(lambda: not _workers(stuck), 30, "the stuck job's workers to be stopped")
+        wait_until(lambda: not client.reservations().gpus, 30, "GPUs to be freed")
