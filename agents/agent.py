@@ -41,6 +41,9 @@ from proto.cpn.v1 import agent_pb2 as pb
 
 log = logging.getLogger("cpn.agent")
 
+#: How often the agent checks whether it must fence its workers.
+FENCE_CHECK_S = 0.5
+
 REFUSALS = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
@@ -115,6 +118,7 @@ class Agent:
         self.launches.advertise_host = host
         log.info("WAN probe endpoint on %s", self.probe_address)
         backoff = Backoff(max_s=self.config.max_backoff_s)
+        fence = asyncio.create_task(self._fence(), name="cpn-fence")
         try:
             while True:
                 self.control.connect()
@@ -138,8 +142,31 @@ class Agent:
                 finally:
                     await self.control.close()
         finally:
+            fence.cancel()
             await self.launches.stop_all()
             await self.probe.stop()
+
+    async def _fence(self) -> None:
+        """Fencing: once our lease cannot have been renewed for a whole TTL, the control
+        plane has declared us lost and planned our jobs elsewhere (a newer epoch): every
+        worker here is stopped, so that a site cut off from the control plane does not
+        train on — nor write checkpoints — beside the epoch that replaced it. Checked
+        right after a SIGSTOP/SIGCONT too (the clock is monotonic)."""
+        while True:
+            await asyncio.sleep(FENCE_CHECK_S)
+            renewed = self.control.last_renewal
+            if renewed is None or not self.launches.any_running():
+                continue
+            silent = time.monotonic() - renewed
+            if silent > self.control.lease_ttl_s:
+                log.warning(
+                    "fenced: no lease renewal for %.1f s (TTL %.1f s); stopping every worker",
+                    silent,
+                    self.control.lease_ttl_s,
+                )
+                await self.launches.stop_all(
+                    f"fenced: no contact with the control plane for {silent:.0f} s"
+                )
 
     async def _after_rpc_error(self, exc: aio.AioRpcError, backoff: Backoff) -> None:
         if exc.code() in REFUSALS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,6 +46,9 @@ class ControlLink:
         self.tls_roots = tls_roots
         self.lease_id: str | None = None
         self.heartbeat_interval_s = 3.0
+        self.lease_ttl_s = 10.0
+        #: When the control plane last renewed our lease (monotonic): fencing's clock.
+        self.last_renewal: float | None = None
         self.peers: list[pb.Peer] = []
         self.peers_version = 0
         self.peers_changed = asyncio.Event()  # set when the control plane sends new peers
@@ -96,6 +100,8 @@ class ControlLink:
         response = await self.stub.Register(request, metadata=self.metadata, timeout=RPC_TIMEOUT_S)
         self.lease_id = response.lease_id
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
+        self.lease_ttl_s = response.lease_ttl_ms / 1000 or self.lease_ttl_s
+        self.last_renewal = time.monotonic()
         self._new_peers(response.peers, response.peers_version)
         self.registrations += 1
         log.info(
@@ -138,6 +144,9 @@ class ControlLink:
             if answer is aio.EOF:  # the server ended the stream without an error
                 raise SessionEnded("the control plane closed the heartbeat stream")
             response = answer
+        self.last_renewal = time.monotonic()
+        if response.lease_ttl_ms:
+            self.lease_ttl_s = response.lease_ttl_ms / 1000
         if response.heartbeat_interval_ms:
             self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
         if response.peers_changed:

@@ -321,9 +321,11 @@ class LaunchManager:
             await run.monitor
         return len(run.ranks)
 
-    async def stop_all(self) -> None:
-        for job_id in list(self._launches):
-            await self.stop(job_id, "agent shutting down")
+    def any_running(self) -> bool:
+        return any(run.running for run in self._launches.values())
+
+    async def stop_all(self, reason: str = "agent shutting down") -> None:
+        await asyncio.gather(*(self.stop(job_id, reason) for job_id in list(self._launches)))
 
 
 def _signal_group(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:

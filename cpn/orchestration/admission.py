@@ -76,8 +76,14 @@ def _wan_gbps(plan: Plan) -> dict[str, float]:
     }
 
 
-def _pick_port(session: Session, host: str, settings: ControlSettings) -> int | None:
+def _pick_port(
+    session: Session, host: str, settings: ControlSettings, avoid: int | None = None
+) -> int | None:
+    """The lowest rendezvous port no live job uses on `host` (nor `avoid`: a re-planned
+    job's previous port, which its fenced workers may still hold)."""
     used = set(session.scalars(select(RendezvousPort.port).where(RendezvousPort.host == host)))
+    if avoid is not None:
+        used.add(avoid)
     for port in range(settings.rendezvous_port_min, settings.rendezvous_port_max + 1):
         if port not in used:
             return port
@@ -149,7 +155,8 @@ def try_admit(registry: Registry, settings: ControlSettings, job_id: str) -> Adm
                 a, b = key.split("|")
                 reserve_link(session, job.id, a, b, gbps)
             host = rank0_host(session, plan)
-            port = _pick_port(session, host, settings)
+            previous_port = job.rendezvous_port if job.rendezvous_host == host else None
+            port = _pick_port(session, host, settings, previous_port)
             if port is None:
                 raise _NoPort(
                     f"waiting: every rendezvous port {settings.rendezvous_port_min}–"

@@ -89,6 +89,12 @@ def advance(
             "message": task.message,
             "last_lines": lines,
         }
+        if not failed:
+            # Stopped with no worker failing and no stop order of ours (the job would not
+            # be active): its agent fenced it, cut off from us for a lease TTL. A loss of
+            # infrastructure, not the job's fault: planned again, not counted as a restart.
+            recovery.reschedule(session, settings, job, reason)
+            return JobState.RESCHEDULING
         return recovery.worker_failed(session, settings, job, failure, reason)
     stuck = _stuck(job, tasks, now)
     if stuck is not None:

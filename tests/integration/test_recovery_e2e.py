@@ -6,6 +6,8 @@ uninterrupted run's."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import time
 from collections import Counter
@@ -63,7 +65,9 @@ def test_a_control_plane_killed_mid_run_loses_and_repeats_nothing(
 ) -> None:
     db_url = None if backend == "sqlite" else request.getfixturevalue("postgres").create()
     steps = 40
-    with cluster(tmp_path, {"a": 2, "b": 2}, db_url=db_url, lease_ttl=3) as c:
+    # A lease longer than the outage: agents that cannot renew for a TTL fence (stop) their
+    # workers, and the point here is that a short outage disturbs nothing.
+    with cluster(tmp_path, {"a": 2, "b": 2}, db_url=db_url, lease_ttl=15) as c:
         key = make_key(c.db_url, "alice")
         client = c.client(key)
         job_id = client.submit(tiny_job("survivor", steps=steps)).id
@@ -148,8 +152,9 @@ def test_a_lost_site_is_planned_again_and_resumes_from_its_checkpoint(tmp_path: 
 FLAKY = Path(__file__).resolve().parents[1] / "workers" / "flaky_worker.py"
 
 
-def _workers(job_id: str) -> list[int]:
-    """Pids of live worker processes of a job (its id is in their --job path)."""
+def _workers(job_id: str, where: str = "") -> list[int]:
+    """Pids of live worker processes of a job (its id is in their --job path), of one
+    agent's work directory if `where` names it."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -207,3 +212,48 @@ def test_failing_and_stuck_workers_follow_the_jobs_recovery_policy(tmp_path: Pat
         assert ended.failure is not None and ended.failure.message == "stuck"
         wait_until(lambda: not _workers(stuck), 30, "the stuck job's workers to be stopped")
         wait_until(lambda: not client.reservations().gpus, 30, "GPUs to be freed")
+
+
+def test_a_partitioned_site_is_fenced_and_its_stale_checkpoints_are_not_used(
+    tmp_path: Path,
+) -> None:
+    steps, every = 200, 5
+    doc = tiny_job("cut-off", dp=1, pp=2, steps=steps, recovery={"checkpoint_every": every})
+    store = tmp_path / "checkpoints"
+    env = {"CPN_CHECKPOINT_ROOT": str(store), "CPN_STOP_GRACE_S": "4"}
+    with cluster(tmp_path, {"a": 1, "b": 2}, env=env, lease_ttl=3) as c:
+        client = c.client(make_key(c.db_url, "alice"))
+        job_id = client.submit(doc).id
+        first = store / job_id / "e1"
+        wait_until((first / f"step-{2 * every:08d}" / "COMPLETE").exists, 120, "checkpoints")
+        placed = client.job(job_id).plan
+        assert placed is not None and placed.sites_used() == ["b"]
+        agent_b = c.agents["b"].pid
+        os.kill(agent_b, signal.SIGSTOP)  # site b cut off: its workers train on, unseen
+        try:
+            wait_until(lambda: client.job(job_id).epoch == 2, 60, "the job planned again")
+            fence = next(e for e in client.events(job_id) if e.data.get("to") == "rescheduling")
+            fenced_at = int(fence.data["checkpoint"]["step"])
+
+            def stale() -> bool:
+                steps_done = [int(p.parent.name[5:]) for p in first.glob("step-*/COMPLETE")]
+                return max(steps_done) > fenced_at
+
+            wait_until(stale, 60, "the cut-off epoch to write a checkpoint after its fence")
+            assert _workers(job_id, "work-b")  # still training, out of reach
+        finally:
+            os.kill(agent_b, signal.SIGCONT)
+        # Back in touch: the agent fences its workers of the old epoch at once.
+        wait_until(lambda: not _workers(job_id, "work-b"), 20, "site b's old workers to stop")
+        assert "fenced: no lease renewal" in c.agents["b"].text()
+        done = _wait_state(client, job_id, {"succeeded", "failed"}, 180)
+        assert done.state.value == "succeeded", (done.reason, done.failure)
+        assert done.plan is not None and done.plan.sites_used() == ["a"]
+        assert (done.epoch, done.losses, done.restarts) == (2, 1, 0)
+        # Epoch 2 resumed from the checkpoint fixed at the fence, not from a later one the
+        # cut-off workers wrote.
+        metrics = (tmp_path / "work-a" / job_id / "rank-0.metrics.jsonl").read_text()
+        ran = [json.loads(line)["step"] for line in metrics.splitlines()]
+        assert ran == list(range(fenced_at, steps))
+        series = client.metrics(job_id)
+        assert [s.step for s in series.steps] == list(range(steps))
