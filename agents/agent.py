@@ -113,7 +113,7 @@ class Agent:
         except OSError as exc:
             where = f"{self.config.probe_host}:{self.config.probe_port}"
             raise AgentError(f"--probe-port: cannot listen on {where} ({exc.strerror})") from None
-        host = self.config.advertise_host or route_address(self.config.control)
+        host = self.config.advertise_host or route_address(self.control.target)
         self.probe_address = f"{host}:{port}"
         self.launches.advertise_host = host
         log.info("WAN probe endpoint on %s", self.probe_address)
@@ -130,14 +130,16 @@ class Agent:
                     await self._after_rpc_error(exc, backoff)
                 except SessionEnded as exc:
                     log.info("%s; reconnecting", exc)
+                    self.control.fail_over()
                     await asyncio.sleep(min(backoff.next(), 1.0))
                 except TimeoutError:
                     delay = backoff.next()
                     log.warning(
                         "control plane %s did not answer in time; retrying in %.1f s",
-                        self.config.control,
+                        self.control.target,
                         delay,
                     )
+                    self.control.fail_over()
                     await asyncio.sleep(delay)
                 finally:
                     await self.control.close()
@@ -171,7 +173,7 @@ class Agent:
     async def _after_rpc_error(self, exc: aio.AioRpcError, backoff: Backoff) -> None:
         if exc.code() in REFUSALS:
             raise AgentRefused(
-                f"control plane {self.config.control} refused the agent: "
+                f"control plane {self.control.target} refused the agent: "
                 f"{exc.code().name}: {exc.details()}"
             ) from None
         if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -181,11 +183,12 @@ class Agent:
         delay = backoff.next()
         log.warning(
             "control plane %s: %s (%s); retrying in %.1f s",
-            self.config.control,
+            self.control.target,
             exc.code().name,
             exc.details(),
             delay,
         )
+        self.control.fail_over()
         await asyncio.sleep(delay)
 
     async def _connect(self) -> None:

@@ -53,13 +53,26 @@ class ControlLink:
         self.peers_version = 0
         self.peers_changed = asyncio.Event()  # set when the control plane sends new peers
         self.registrations = 0
+        #: Control planes to try, in turn (`--control a:1,b:2`: several sharing a database).
+        self.targets = [t.strip() for t in config.control.split(",") if t.strip()]
+        self._target = 0
         self._channel: aio.Channel | None = None
         self._stub: agent_pb2_grpc.AgentServiceAsyncStub | None = None
         self._beats: Any = None  # the session's HeartbeatStream call, opened on first use
 
     # -- channels --------------------------------------------------------------------------
+    @property
+    def target(self) -> str:
+        return self.targets[self._target]
+
+    def fail_over(self) -> None:
+        """The current control plane cannot be reached: the next session tries the next."""
+        if len(self.targets) > 1:
+            self._target = (self._target + 1) % len(self.targets)
+            log.info("trying control plane %s next", self.target)
+
     def connect(self) -> None:
-        target = self.config.control
+        target = self.target
         if self.tls_roots is None:
             self._channel = aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         else:

@@ -13,13 +13,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from cpn.control.auth import BearerTokenInterceptor
 from cpn.control.dispatch import AssignmentDispatcher, drop_orders
@@ -37,7 +39,7 @@ from cpn.registry.leases import (
     live_leases,
     mark_lost,
 )
-from cpn.registry.models import utcnow
+from cpn.registry.models import Lease, utcnow
 from proto.cpn.v1 import agent_pb2
 
 log = logging.getLogger("cpn.control")
@@ -178,17 +180,21 @@ class ControlServer:
                 log.exception("reaper: will retry")
 
     async def reap(self) -> list[LiveLease]:
-        """Declare every agent whose lease expired lost. Returns their leases."""
+        """Declare every agent whose lease expired lost. Returns their leases.
+
+        On PostgreSQL other control planes may share the database, each holding the leases
+        of the agents connected to it and writing their renewals: leases this process
+        restored at start but whose agents renew elsewhere are let go, not declared lost,
+        and leases the database shows expired that no process here holds (another control
+        plane died with them) are reaped from the database."""
+        if self.state.registry.dialect == "postgresql":
+            await self.state.run_db(self._reap_stored)
         expired = self.leases.expired()
         for lease in expired:
             self.leases.remove(lease)
             self.dispatcher.close(lease.site, lease.agent_id)
             gpus, dropped = await self.state.run_db(self._mark_lost, lease)
-            for listener in self.state.loss_listeners:
-                try:
-                    listener(lease.site, lease.agent_id)
-                except Exception:
-                    log.exception("loss listener failed")
+            self._tell_loss(lease.site, lease.agent_id)
             log.warning(
                 "agent %s/%s lost: lease expired (%d GPUs lost, %d orders dropped)",
                 lease.site,
@@ -198,9 +204,45 @@ class ControlServer:
             )
         return expired
 
+    def _reap_stored(self) -> None:
+        settings = self.state.settings
+        margin = timedelta(seconds=2 * settings.flush_interval_s + settings.reaper_interval_s)
+        with self.state.registry.read() as session:
+            stale = [
+                s
+                for s in live_leases(session)
+                if s.expires_at < utcnow() - margin and self.leases.get(s.lease_id) is None
+            ]
+        for s in stale:
+            with self.state.registry.write() as session:
+                dropped = drop_orders(session, s.site, s.agent_id)
+                gpus = mark_lost(
+                    session, s.agent_pk, s.lease_id, utcnow(), "lease expired (held elsewhere)"
+                )
+            if gpus or dropped:
+                log.warning("agent %s/%s lost: lease expired elsewhere", s.site, s.agent_id)
+            self._tell_loss(s.site, s.agent_id)
+
+    def _tell_loss(self, site: str, agent_id: str) -> None:
+        for listener in self.state.loss_listeners:
+            try:
+                listener(site, agent_id)
+            except Exception:
+                log.exception("loss listener failed")
+
+    def _renewed_elsewhere(self, session: Session, lease: LiveLease) -> bool:
+        """A lease restored at start whose agent renews it through another control plane."""
+        if not lease.restored:
+            return False
+        row = session.scalar(select(Lease).where(Lease.lease_id == lease.lease_id))
+        return row is not None and row.revoked_at is None and row.expires_at > utcnow()
+
     def _mark_lost(self, lease: LiveLease) -> tuple[int, int]:
         """GPUs marked lost and orders dropped, in one transaction."""
         with self.state.registry.write() as session:
+            if self._renewed_elsewhere(session, lease):
+                log.info("lease of %s/%s is renewed elsewhere: let go", lease.site, lease.agent_id)
+                return 0, 0
             dropped = drop_orders(session, lease.site, lease.agent_id)
             reason = "lease expired"
             if dropped:

@@ -39,6 +39,7 @@ from cpn.control import ControlServer, TaskReport
 from cpn.control.dispatch import launch_assignment, queue, stop_assignment
 from cpn.orchestration import lifecycle, recovery, states
 from cpn.orchestration.admission import ADMITTABLE, Admitted, try_admit
+from cpn.orchestration.leader import Leadership
 from cpn.orchestration.metrics import ServiceMetrics
 from cpn.registry import Registry, release
 from cpn.registry.models import (
@@ -91,6 +92,9 @@ class Orchestrator:
         self._peers_version = -1
         self.ticks = 0
         self.healthy = False
+        self.leadership = Leadership(registry)
+        #: Whether this process ran the last tick (on PostgreSQL: held the advisory lock).
+        self.leading = False
         #: How long a failed rank's job waits before the failure is judged: long enough
         #: for the lease of an agent that died with it to expire and be reaped.
         self._settle_s = self.settings.lease_ttl_s + 2 * self.settings.reaper_interval_s
@@ -110,6 +114,7 @@ class Orchestrator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._executor.shutdown(wait=True)
+        self.leadership.release()
 
     def wake(self, *, admit: bool = True) -> None:
         """Tick soon (thread-safe): a job was submitted or cancelled."""
@@ -154,6 +159,15 @@ class Orchestrator:
     # ------------------------------------------------------------------ one tick
 
     def tick(self) -> None:
+        leading = self.leadership.lead()
+        if leading != self.leading:
+            self.leading = leading
+            self._last_sweep = self._last_admission = 0.0  # look at everything again
+            self._peers_version = -1
+            if not leading:
+                log.info("orchestration: another control plane leads")
+        if not leading:
+            return
         now = time.monotonic()
         with self._lock:
             dirty, self._dirty = self._dirty, set()

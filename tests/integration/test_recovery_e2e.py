@@ -65,9 +65,10 @@ def test_a_control_plane_killed_mid_run_loses_and_repeats_nothing(
 ) -> None:
     db_url = None if backend == "sqlite" else request.getfixturevalue("postgres").create()
     steps = 40
-    # A lease longer than the outage: agents that cannot renew for a TTL fence (stop) their
-    # workers, and the point here is that a short outage disturbs nothing.
-    with cluster(tmp_path, {"a": 2, "b": 2}, db_url=db_url, lease_ttl=15) as c:
+    # A lease longer than the outage (a restart of `cpn serve` takes 20 s on a loaded CI
+    # machine): agents that cannot renew for a TTL fence (stop) their workers, and the
+    # point here is that an outage within the lease disturbs nothing.
+    with cluster(tmp_path, {"a": 2, "b": 2}, db_url=db_url, lease_ttl=60) as c:
         key = make_key(c.db_url, "alice")
         client = c.client(key)
         job_id = client.submit(tiny_job("survivor", steps=steps)).id
