@@ -167,6 +167,7 @@ class Orchestrator:
             if not leading:
                 log.info("orchestration: another control plane leads")
         if not leading:
+            self.ticks += 1  # a follower's loop runs too (and /readyz says so)
             return
         now = time.monotonic()
         with self._lock:

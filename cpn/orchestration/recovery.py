@@ -1,12 +1,13 @@
 """After a loss: which checkpoint a job resumes from, and how it is planned again.
 
 A job whose placement lost an agent goes RESCHEDULING (`reschedule`): the newest complete
-checkpoint its current epoch wrote *so far* becomes its resume point — fixed now, so that
-whatever a fenced (cut-off, not yet stopped) worker of that epoch writes later is never
-used. Its other workers are then stopped and its GPUs freed by the loop, and admission
-plans it again (`replan`): the same layout if it fits on what is left, else the best
-layout `parallel: auto` finds within the job's GPU budget (fewer GPUs if need be), with
-the same global batch, so the loss curve goes on from the checkpoint.
+checkpoint its current epoch wrote *so far*, up to the last step the control plane saw it
+reach, becomes its resume point — fixed now, so that whatever a fenced (cut-off, not yet
+stopped) worker of that epoch writes later is never used. Its other workers are then
+stopped and its GPUs freed by the loop, and admission plans it again (`replan`): the same
+layout if it fits on what is left, else the best layout `parallel: auto` finds within the
+job's GPU budget (fewer GPUs if need be), with the same global batch, so the loss curve
+goes on from the checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from cpn.contracts import JobSpec, OnWorkerError, Plan, Reservations, Topology
@@ -38,15 +39,25 @@ def epoch_store(settings: ControlSettings, job_id: str, epoch: int) -> str | Non
     return None if root is None else f"{root.rstrip('/')}/{job_id}/e{epoch}"
 
 
-def newest_checkpoint(settings: ControlSettings, job: Job) -> dict[str, Any] | None:
-    """The newest complete step of the job's current epoch, for the same model, or None."""
+def newest_checkpoint(
+    session: Session, settings: ControlSettings, job: Job
+) -> dict[str, Any] | None:
+    """The newest complete step of the job's current epoch, for the same model, that the
+    control plane has seen the epoch reach (its per-step series): a step written by
+    workers that went out of touch before it — a site cut off, training on unseen — is
+    not trusted, and the series goes on without a gap. None if there is none."""
     url = epoch_store(settings, job.id, job.epoch)
     if url is None or job.epoch == 0:
+        return None
+    seen = session.scalar(select(func.max(JobStep.step)).where(JobStep.job_id == job.id))
+    if seen is None:
         return None
     try:
         store = CheckpointStore(url)
         spec = JobSpec.model_validate(job.spec)
         for step in reversed(store.complete_steps()):
+            if step > seen + 1:  # steps 0..step-1 are in it: the last one must have been seen
+                continue
             if store.info(step).model == spec.model.model_dump():
                 return {"epoch": job.epoch, "step": step, "path": store.step_url(step)}
     except InputError as exc:  # an unreadable store: resume from the previous point
@@ -58,7 +69,7 @@ def reschedule(session: Session, settings: ControlSettings, job: Job, why: str) 
     """Fence the job's current epoch and queue it to be planned again (in the caller's
     transaction): its resume point is fixed now, and it counts as an infrastructure loss
     (not against `recovery.max_restarts`)."""
-    found = newest_checkpoint(settings, job)
+    found = newest_checkpoint(session, settings, job)
     if found is not None:
         job.checkpoint = found
     job.losses += 1
@@ -95,7 +106,7 @@ def worker_failed(
             settings.restart_backoff_s * 2 ** (job.restarts - 1), settings.restart_backoff_max_s
         )
         job.not_before = utcnow() + timedelta(seconds=delay)
-        found = newest_checkpoint(settings, job)
+        found = newest_checkpoint(session, settings, job)
         if found is not None:
             job.checkpoint = found
         point = job.checkpoint

@@ -227,6 +227,8 @@ def test_a_partitioned_site_is_fenced_and_its_stale_checkpoints_are_not_used(
         job_id = client.submit(doc).id
         first = store / job_id / "e1"
         wait_until((first / f"step-{2 * every:08d}" / "COMPLETE").exists, 120, "checkpoints")
+        # The control plane resumes only from a step it saw the epoch reach.
+        wait_until(lambda: client.job(job_id).progress.step > 2 * every, 60, "steps reported")
         placed = client.job(job_id).plan
         assert placed is not None and placed.sites_used() == ["b"]
         agent_b = c.agents["b"].pid
