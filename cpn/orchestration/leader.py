@@ -26,8 +26,12 @@ from cpn.registry import Registry
 
 log = logging.getLogger("cpn.orchestration")
 
-#: The advisory lock's key: "cpn-orch" as a 64-bit integer.
-LOCK_KEY = int.from_bytes(b"cpn-orch", "big") & 0x7FFF_FFFF_FFFF_FFFF
+#: The advisory lock's class ("cpn" as a 32-bit integer); its object is a hash of the
+#: schema the registry lives in, so that registries in other schemas of one database
+#: (tests, several deployments) have leaders of their own.
+LOCK_KEY = int.from_bytes(b"cpn\0", "big")
+_TRY = text("SELECT pg_try_advisory_lock(:k, hashtext(current_schema()))")
+_UNLOCK = text("SELECT pg_advisory_unlock(:k, hashtext(current_schema()))")
 
 
 class Leadership:
@@ -59,7 +63,7 @@ class Leadership:
             log.warning("orchestration: cannot reach the database to lead (%s)", exc)
             return False
         try:
-            got = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}))
+            got = bool(conn.scalar(_TRY, {"k": self.key}))
         except SQLAlchemyError:
             conn.close()
             return False
@@ -74,7 +78,7 @@ class Leadership:
         """Give the lock up (on a clean stop): another control plane takes over at once."""
         if self._conn is not None:
             with contextlib.suppress(SQLAlchemyError):
-                self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
+                self._conn.execute(_UNLOCK, {"k": self.key})
             self._drop()
 
     def _drop(self) -> None:

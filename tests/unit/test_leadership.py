@@ -17,12 +17,16 @@ from tests.databases import PostgresDatabases
 def test_one_leader_at_a_time_and_the_other_takes_over(postgres: PostgresDatabases) -> None:
     url = postgres.create()
     first, second = Registry(url), Registry(url)
-    # A key of this test's own: other tests on this server may lead with the default one.
-    key = 0x7E57_1EAD_0000_0000 | (hash(url) & 0xFFFF_FFFF)
-    one, two = Leadership(first, key), Leadership(second, key)
+    # The lock is per schema: this test's own (each test gets a schema of its own).
+    one, two = Leadership(first), Leadership(second)
     try:
         assert one.lead() and one.lead()  # taken, then kept
         assert not two.lead()
+        elsewhere = Registry(postgres.create())  # another schema: a leader of its own
+        try:
+            assert Leadership(elsewhere).lead()
+        finally:
+            elsewhere.dispose()
         # The leader dies: its session ends and PostgreSQL releases the lock at once.
         assert one._conn is not None
         pid = one._conn.scalar(text("SELECT pg_backend_pid()"))
