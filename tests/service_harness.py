@@ -65,7 +65,7 @@ class Cluster:
 def _wait_ready(http_port: int, serve: Proc) -> None:
     wait_until(
         lambda: httpx.get(f"http://127.0.0.1:{http_port}/readyz", timeout=2).status_code == 200,
-        60,
+        120,  # a loaded CI machine takes a minute to import and start it
         "cpn serve to be ready",
         serve,
     )
@@ -118,7 +118,7 @@ def cluster(
                 pairs = len(gpus) * (len(gpus) - 1) // 2
                 return len(topo.sites) == len(gpus) and len(topo.links) == pairs
 
-            wait_until(ready, 90, "every site live with its WAN links measured", serve)
+            wait_until(ready, 180, "every site live with its WAN links measured", serve)
         yield made
     finally:
         for proc in agents.values():
