@@ -92,7 +92,17 @@ def cluster(
         db_url, tokens, grpc_port, http_port, "--lease-ttl", f"{lease_ttl:g}",
         "--heartbeat-interval", f"{heartbeat:g}", *serve_extra,
     )  # fmt: skip
-    serve_env = {"CPN_SCHEDULE_INTERVAL_S": "0.2", "CPN_STOP_GRACE_S": "8", **(env or {})}
+    # Rendezvous ports of this cluster's own, near a port free now: other test runs on
+    # the machine use the default range on 127.0.0.1 too.
+    base = free_port()
+    base = min(base, 65535 - 64)
+    serve_env = {
+        "CPN_SCHEDULE_INTERVAL_S": "0.2",
+        "CPN_STOP_GRACE_S": "8",
+        "CPN_RENDEZVOUS_PORT_MIN": str(base),
+        "CPN_RENDEZVOUS_PORT_MAX": str(base + 63),
+        **(env or {}),
+    }
     serve = Proc(argv, tmp / "serve.log", env=serve_env)
     agents: dict[str, Proc] = {}
     made = Cluster(db_url, http_port, serve, agents, argv, serve_env, tmp)
