@@ -12,6 +12,7 @@ model, the batch and the compression, so every L dividing pp is tried, together 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 
 import numpy as np
@@ -129,22 +130,8 @@ def cluster_replicas(inst: Instance) -> list[ShardPlacement] | None:
                 cost[i, j] = route.seconds(volume, steps)
     best: tuple[float, list[int]] | None = None
     capacity = np.array([room[s] for s in hosts])
-    for first in range(n):
-        chosen = [first]
-        worst = cost[first].copy()  # slowest pair from each site to the cluster
-        have = int(capacity[first])
-        slowest = 0.0
-        while have < dp:
-            worst_masked = worst.copy()
-            worst_masked[chosen] = np.inf
-            nxt = int(np.argmin(worst_masked))
-            if not np.isfinite(worst_masked[nxt]):
-                break
-            slowest = max(slowest, float(worst_masked[nxt]))
-            chosen.append(nxt)
-            worst = np.maximum(worst, cost[nxt])
-            have += int(capacity[nxt])
-        if have >= dp and (best is None or slowest < best[0]):
+    for slowest, chosen in _grown_clusters(cost, capacity, dp):
+        if best is None or slowest < best[0]:
             best = (slowest, chosen)
     if best is None:
         return None
@@ -165,6 +152,29 @@ def cluster_replicas(inst: Instance) -> list[ShardPlacement] | None:
                 )
             replica += 1
     return _sorted(out) if replica == dp else None
+
+
+def _grown_clusters(
+    cost: np.ndarray, capacity: np.ndarray, dp: int
+) -> Iterator[tuple[float, list[int]]]:
+    """From every first site, sites added one at a time to the one whose slowest pair to
+    the cluster is fastest, until their room covers `dp`: each cluster that does, with its
+    slowest pair (`cost[i, j]`: seconds between sites i and j, inf if unreachable)."""
+    for first in range(len(capacity)):
+        chosen, worst = [first], cost[first].copy()  # slowest pair from each site to it
+        have, slowest = int(capacity[first]), 0.0
+        while have < dp:
+            masked = worst.copy()
+            masked[chosen] = np.inf
+            nxt = int(np.argmin(masked))
+            if not np.isfinite(masked[nxt]):
+                break
+            slowest = max(slowest, float(masked[nxt]))
+            chosen.append(nxt)
+            worst = np.maximum(worst, cost[nxt])
+            have += int(capacity[nxt])
+        if have >= dp:
+            yield slowest, chosen
 
 
 def _whole_replicas(inst: Instance, site: str) -> int:
@@ -216,26 +226,14 @@ def cluster_blocks(inst: Instance, length: int, near: bool = True) -> list[Shard
         np.fill_diagonal(cost, 0.0)
         capacity = np.array([room[s] for s in hosts])
         best: tuple[float, list[int]] | None = None
-        for seed in range(n):
-            chosen, worst, have, slowest = [seed], cost[seed].copy(), int(capacity[seed]), 0.0
-            while have < dp:
-                masked = worst.copy()
-                masked[chosen] = np.inf
-                nxt = int(np.argmin(masked))
-                if not np.isfinite(masked[nxt]):
-                    break
-                slowest = max(slowest, float(masked[nxt]))
-                chosen.append(nxt)
-                worst = np.maximum(worst, cost[nxt])
-                have += int(capacity[nxt])
-            if have >= dp:
-                # The replicas arriving from the block position before pay its slowest
-                # hop in every pipeline slot: count it, spread over the pairs.
-                score = slowest
-                if near:
-                    score += slots * _arrival_hop(inst, previous, [hosts[i] for i in chosen])
-                if best is None or score < best[0]:
-                    best = (score, chosen)
+        for slowest, chosen in _grown_clusters(cost, capacity, dp):
+            # The replicas arriving from the block position before pay its slowest hop in
+            # every pipeline slot: count it, spread over the pairs.
+            score = slowest
+            if near:
+                score += slots * _arrival_hop(inst, previous, [hosts[i] for i in chosen])
+            if best is None or score < best[0]:
+                best = (score, chosen)
         if best is None:
             return None
         previous = [hosts[i] for i in best[1]]
