@@ -2,9 +2,10 @@
 
 An agent reports on workers it launched, and it launches workers only on the control
 plane's order. Every order is recorded with an `order_queued` event in the transaction
-that writes the order (`cpn.control.dispatch.queue`), before the agent can receive it. So a report is accepted only for a job and rank that a launch order queued for
-this very agent placed at its site: any other site token could otherwise fail (or fake the
-progress of) another tenant's job, or report on a job that was never scheduled.
+that writes the order (`cpn.control.dispatch.queue`), before the agent can receive it.
+So a report is accepted only for a job and rank that a launch order queued for this very
+agent placed at its site: any other site token could otherwise fail (or fake the progress
+of) another tenant's job, or report on a job that was never scheduled.
 
 Checked on the database thread, inside the transaction that then writes the task, so a
 refused report writes nothing.
