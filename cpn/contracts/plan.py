@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cpn.contracts.job import CompressionSpec, JobSpec, ParallelSpec
+from cpn.contracts.job import CompressionSpec, JobSpec, ParallelSpec, WanCompression
 from cpn.contracts.limits import INT32_MAX, MAX_GPUS_PER_NODE, Int32, Int64, Name
 from cpn.contracts.topology import Topology
 
@@ -252,7 +252,11 @@ class Plan(_Model):
                     f"global_batch / (dp × micro_batch) = {train.global_batch} / "
                     f"({par.dp} × {train.micro_batch}) = {want}"
                 )
-        if self.compression != job.compression:
+        if job.compression.wan is WanCompression.AUTO:
+            # The scheduler resolved `auto` from the measured links: the plan runs that.
+            if self.wan_auto is None or self.compression != self.wan_auto.compression:
+                return "compression: the job says wan: auto, but the plan has no choice for it"
+        elif self.compression != job.compression:
             mine, theirs = (
                 c.model_dump(mode="json", exclude_none=True)
                 for c in (self.compression, job.compression)

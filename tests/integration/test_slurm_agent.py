@@ -57,7 +57,7 @@ def _wait_state(client: CpnClient, job_id: str, states: set[str], timeout: float
 def _slurm_jobs(slurm: SlurmCluster, job_id: str) -> list[str]:
     """Ids of every Slurm job (any state) of this cpn job."""
     out = slurm.run("squeue", "-h", "-t", "all", "-o", "%i %j")
-    return [line.split()[0] for line in out.splitlines() if f"cpn-{job_id}-e0" in line]
+    return [line.split()[0] for line in out.splitlines() if f"cpn-{job_id}-e" in line]
 
 
 def _tasks(c: Cluster, job_id: str) -> dict[int, tuple[str, str]]:
