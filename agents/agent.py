@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 
 import grpc
 from grpc import aio
 
+from agents.backends import BackendError, Capacity, SiteBackend
+from agents.backends.local import LocalBackend
+from agents.backends.slurm import SlurmBackend
 from agents.backoff import Backoff
-from agents.config import AgentConfig
+from agents.config import AgentConfig, KubernetesSettings
 from agents.control import ControlLink, SessionEnded
-from agents.discovery.gpus import sample_usage
+from agents.convert import node_message
+from agents.discovery.gpus import DiscoveredGpu, sample_usage
 from agents.events import HealthEvent, HealthState, HeartbeatEvent, Peers, ProbeEvent, run_events
 from agents.hardware import Hardware
 from agents.launches import LaunchManager
@@ -71,6 +76,72 @@ def route_address(control: str) -> str:
         return socket.gethostname()
 
 
+def make_backend(config: AgentConfig, gpus: Hardware) -> SiteBackend:
+    """The site engine `config.backend` names, with its options."""
+    if config.backend == "local":
+        return LocalBackend(config.node_name, lambda: len(gpus.gpus.gpus))
+    if config.backend == "slurm":
+        if config.slurm is None:
+            raise AgentError("--backend slurm needs --slurm-partition")
+        return SlurmBackend(config.slurm, config.agent_id)
+    if config.backend == "kubernetes":
+        if config.kubernetes is None:
+            raise AgentError("--backend kubernetes needs --k8s-namespace and --k8s-image")
+        return _kubernetes(config, config.kubernetes)
+    raise AgentError(f"--backend: {config.backend!r} is not one of local, slurm, kubernetes")
+
+
+def _kubernetes(config: AgentConfig, k8s: KubernetesSettings) -> SiteBackend:
+    """The client configured as kubectl would be: in-cluster (a service account), else
+    $KUBECONFIG / ~/.kube/config."""
+    from kubernetes import client  # noqa: PLC0415
+    from kubernetes import config as kube_config  # noqa: PLC0415
+    from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
+
+    from agents.backends.kubernetes import KubernetesBackend, KubernetesOptions  # noqa: PLC0415
+
+    configuration = client.Configuration()
+    try:
+        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except ConfigException:
+        try:
+            kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+            )
+        except (ConfigException, OSError) as exc:
+            raise AgentError(
+                f"kubernetes: no in-cluster or kubeconfig credentials ({exc})"
+            ) from None
+    options = KubernetesOptions(
+        k8s.namespace, k8s.image, k8s.service_account, k8s.work_claim, str(config.work_dir)
+    )
+    return KubernetesBackend(options, config.agent_id, client.ApiClient(configuration))
+
+
+def site_inventory(capacity: Capacity, config: AgentConfig, backend: SiteBackend) -> pb.Inventory:
+    """A site engine's usable nodes as the registry's inventory: each node's GPUs as the
+    engine counts them, described by the virtual-GPU flags (model from Slurm's GRES type
+    when it names one)."""
+    nodes = []
+    for n in capacity.nodes:
+        if not n.usable or n.gpus == 0:
+            continue
+        kind = backend.gpu_type(n.name) if isinstance(backend, SlurmBackend) else ""
+        gpus = [
+            DiscoveredGpu(
+                index=i,
+                model=kind or config.virtual.model,
+                memory_gb=config.virtual.memory_gb,
+                uuid=f"{config.site}-{n.name}-gpu{i}",
+                source="virtual",
+                tflops=config.virtual.tflops,
+            )
+            for i in range(n.gpus)
+        ]
+        nodes.append(node_message(n.name, gpus, [], config.intra_node_gbps))
+    return pb.Inventory(nodes=nodes)
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -91,6 +162,8 @@ class Agent:
             outbox=outbox,
             worker_command=config.worker_command,
             stop_grace_s=config.stop_grace_s,
+            backend=make_backend(config, self.hardware),
+            time_limit_s=config.time_limit_s,
         )
 
     # ------------------------------------------------------------------ main loop
@@ -103,8 +176,23 @@ class Agent:
                 raise AgentError(
                     f"--tls-ca: {self.config.tls_ca}: cannot read ({exc.strerror})"
                 ) from None
-        self.inventory = await asyncio.to_thread(self.hardware.discover)
-        self.launches.real_gpus = self.hardware.real_gpus
+        engine = self.launches.engine
+        if engine.site_wide:
+            try:
+                await engine.check()
+                capacity = await engine.capacity()
+            except BackendError as exc:
+                raise AgentError(str(exc)) from None
+            self.inventory = site_inventory(capacity, self.config, engine)
+            log.info(
+                "%s: %d nodes, %d GPUs usable",
+                engine.name,
+                len(self.inventory.nodes),
+                capacity.gpus,
+            )
+        else:
+            self.inventory = await asyncio.to_thread(self.hardware.discover)
+            self.launches.real_gpus = self.hardware.real_gpus
         try:
             port = await self.probe.start()
         except OSError as exc:
@@ -114,6 +202,10 @@ class Agent:
         self.probe_address = f"{host}:{port}"
         self.launches.advertise_host = host
         log.info("WAN probe endpoint on %s", self.probe_address)
+        try:
+            await self.launches.adopt()
+        except BackendError as exc:
+            raise AgentError(f"cannot look for running launches: {exc}") from None
         backoff = Backoff(max_s=self.config.max_backoff_s)
         try:
             while True:
@@ -184,7 +276,7 @@ class Agent:
                 self.config.probe_interval_s,
                 self.config.probe_bytes,
             ),
-            HealthEvent(self.hardware.check_health, self.health),
+            HealthEvent(self._check_health, self.health),
         ]
         tasks = [
             asyncio.create_task(run_events(events)),
@@ -204,6 +296,18 @@ class Agent:
 
     # ------------------------------------------------------------------ session work
 
+    def _check_health(self) -> tuple[pb.Health.ValueType, str]:
+        """This node's hardware; for a Slurm site, the registered nodes as Slurm sees them
+        now (a node down or drained offers no GPUs: DEGRADED, naming it)."""
+        engine = self.launches.engine
+        if isinstance(engine, SlurmBackend) and self.inventory is not None:
+            worst, lost = engine.node_health({n.name for n in self.inventory.nodes})
+            health = {"ok": pb.HEALTH_OK, "degraded": pb.HEALTH_DEGRADED}.get(
+                worst, pb.HEALTH_FAILING
+            )
+            return health, ("slurm nodes without GPUs now: " + ", ".join(lost)) if lost else ""
+        return self.hardware.check_health()
+
     async def heartbeat(self, *, unary: bool = False) -> None:
         """Renew the lease. A heartbeat the control plane refuses as invalid (a WAN
         measurement from a clock far off, usage of a GPU added since registration) is sent
@@ -221,6 +325,18 @@ class Agent:
         self.links.delivered(links)
 
     async def _usage(self) -> list[pb.GpuUsage]:
+        if self.launches.engine.site_wide:
+            busy = self.launches.busy_gpus()
+            assert self.inventory is not None
+            return [
+                pb.GpuUsage(
+                    node=n.name,
+                    index=g.index,
+                    utilisation=1.0 if (n.name, g.index) in busy else 0.0,
+                )
+                for n in self.inventory.nodes
+                for g in n.gpus
+            ]
         node = self.config.node_name
         samples = await asyncio.to_thread(sample_usage, self.hardware.gpus.source)
         if samples is not None:
@@ -267,17 +383,16 @@ class Agent:
             await self.launches.launch(order)
         except OSError as exc:  # the work directory cannot be written, say
             log.error("job %s: cannot launch: %s", order.job_id, exc)
-            for r in order.ranks:
-                if r.site == self.config.site and r.node == self.config.node_name:
-                    self.reports.put(
-                        TaskUpdate(
-                            job_id=order.job_id,
-                            rank=r.rank,
-                            state=pb.TASK_STATE_FAILED,
-                            exit_code=-1,
-                            message=f"cannot launch: {exc}",
-                        )
+            for r in self.launches.mine(order):
+                self.reports.put(
+                    TaskUpdate(
+                        job_id=order.job_id,
+                        rank=r.rank,
+                        state=pb.TASK_STATE_FAILED,
+                        exit_code=-1,
+                        message=f"cannot launch: {exc}",
                     )
+                )
 
 
 async def run_agent(config: AgentConfig) -> None:

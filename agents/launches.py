@@ -15,22 +15,27 @@ and reports STARTING (the launcher is up, the rendezvous may still be waiting fo
 nodes), RUNNING (the worker process exists: its log file was opened), every change, then
 SUCCEEDED / FAILED / STOPPED per rank (agents/tasks.py), with new log lines and steps on
 the way (agents/logs.py).
+
+The launcher is started, watched and ended through the site's backend
+(agents/backends/): `local` runs it as this agent's child, `slurm` as one batch job for
+every node of the site in the order (each node's files then in `node-K/` of the run
+directory). Final states come from the backend's status and each node's `result.json`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agents.backends import BackendError, Handle, LaunchSpec, NodeShare, SiteBackend, State, Status
+from agents.backends.base import HEAD_PLACEHOLDER, LOCAL_PLACEHOLDER, PORT_PLACEHOLDER
+from agents.backends.local import LocalBackend
 from agents.logs import Outbox, new_lines
 from agents.status import status_file
 from agents.tasks import TaskUpdate, with_metrics, with_status_line
@@ -41,6 +46,8 @@ from proto.cpn.v1 import agent_pb2 as pb
 log = logging.getLogger("cpn.agent")
 
 STATUS_POLL_S = 0.25
+#: How long a launch may be unknown to its engine before it counts as failed.
+UNKNOWN_LIMIT_S = 30.0
 
 
 @dataclass
@@ -48,7 +55,9 @@ class _Rank:
     """One plan rank of a launch, as the agent follows it."""
 
     rank: int
+    node: str
     gpu: int
+    files: RunFiles  # its node's launcher's run directory
     metrics: FileTail
     status: FileTail
     log: FileTail
@@ -58,17 +67,19 @@ class _Rank:
 @dataclass
 class _Launch:
     job_id: str
-    node: str
-    process: asyncio.subprocess.Process
-    files: RunFiles
+    handle: Handle
     ranks: list[_Rank]
+    status: Status = field(default_factory=lambda: Status(State.PENDING))
     stopping: bool = False
     stop_reason: str = ""
+    #: The engine was already ending it (Slurm's COMPLETING) before any stop order: its
+    #: final state, not the stop order, says why it ended.
+    ending: bool = False
     monitor: asyncio.Task[None] | None = None
 
     @property
     def running(self) -> bool:
-        return self.process.returncode is None
+        return not self.status.ended
 
 
 @dataclass
@@ -83,7 +94,19 @@ class LaunchManager:
     worker_command: str | None = None
     advertise_host: str | None = None  # the address other nodes reach this one on
     stop_grace_s: float = 10.0
+    #: The site's engine (None: local processes on this node).
+    backend: SiteBackend | None = None
+    time_limit_s: int = 24 * 3600
     _launches: dict[str, _Launch] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            self.backend = LocalBackend(self.node)
+
+    @property
+    def engine(self) -> SiteBackend:
+        assert self.backend is not None
+        return self.backend
 
     def running(self, job_id: str) -> list[int]:
         run = self._launches.get(job_id)
@@ -91,33 +114,102 @@ class LaunchManager:
 
     def busy_gpus(self) -> set[tuple[str, int]]:
         return {
-            (run.node, r.gpu) for run in self._launches.values() if run.running for r in run.ranks
+            (r.node, r.gpu) for run in self._launches.values() if run.running for r in run.ranks
         }
 
     # -- launching -------------------------------------------------------------------------
+    def mine(self, order: pb.LaunchOrder) -> list[pb.RankAssignment]:
+        """The order's ranks this agent runs: on its node, or anywhere on its site when its
+        engine serves the whole site."""
+        site_wide = self.engine.site_wide
+        return sorted(
+            (r for r in order.ranks if r.site == self.site and (site_wide or r.node == self.node)),
+            key=lambda r: r.rank,
+        )
+
     async def launch(self, order: pb.LaunchOrder) -> list[int]:
         # Forget launches that have ended (their final states were reported).
         for job_id in [j for j, run in self._launches.items() if not run.running]:
             if all(r.last.ended for r in self._launches[job_id].ranks):
-                del self._launches[job_id]
-        mine = sorted(
-            (r for r in order.ranks if r.site == self.site and r.node == self.node),
-            key=lambda r: r.rank,
-        )
+                self.engine.forget(self._launches.pop(job_id).handle)
+        mine = self.mine(order)
         if not mine:
             log.info("job %s: no ranks on this agent", order.job_id)
             return []
         if order.job_id in self._launches and self._launches[order.job_id].running:
             log.warning("job %s is already running here; launch order ignored", order.job_id)
             return []
-        files = RunFiles(self.work_dir / order.job_id)
-        files.root.mkdir(parents=True, exist_ok=True)
-        plan_path, job_path = files.root / "plan.json", files.root / "job.yaml"
+        root = self.work_dir / order.job_id
+        root.mkdir(parents=True, exist_ok=True)
+        plan_path, job_path = root / "plan.json", root / "job.yaml"
         plan_path.write_text(order.plan_json)
         job_path.write_text(order.job_yaml)
-        (files.root / "result.json").unlink(missing_ok=True)
-        ranks = []
-        for r in mine:
+        (root / "result.json").unlink(missing_ok=True)
+        nodes: dict[str, list[pb.RankAssignment]] = {}
+        for r in mine:  # nodes in order of their first rank: node rank 0 holds the lowest
+            nodes.setdefault(r.node, []).append(r)
+        site_wide = self.engine.site_wide
+        shares, commands, ranks = [], [], []
+        env = {"CPN_JOB_ID": order.job_id, "CPN_SITE": self.site}
+        for k, (node, assigned) in enumerate(nodes.items()):
+            files = RunFiles(root / f"node-{k}") if site_wide else RunFiles(root)
+            files.root.mkdir(parents=True, exist_ok=True)
+            (files.root / "result.json").unlink(missing_ok=True)
+            for r in assigned:
+                ranks.append(self._follow(order.job_id, r, files))
+            shares.append(
+                NodeShare(node, tuple(r.rank for r in assigned), tuple(r.gpu for r in assigned))
+            )
+            argv = self._launcher_argv(
+                order, [r.rank for r in assigned], files, plan_path, job_path, node
+            )
+            node_env = {"CPN_NODE": node, "CPN_RUN_DIR": str(files.root)}
+            if site_wide:  # one command per node, one environment for all: set it per node
+                argv = ["env", *(f"{key}={value}" for key, value in node_env.items()), *argv]
+            else:
+                env.update(node_env)
+                if self.real_gpus:  # worker i uses cuda:i, the i-th GPU the plan gave this node
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(r.gpu) for r in assigned)
+            commands.append(tuple(argv))
+        env.update(dict(order.env))
+        alone = all(r.site == self.site for r in order.ranks)
+        spec = LaunchSpec(
+            job_id=order.job_id,
+            nodes=tuple(shares),
+            commands=tuple(commands),
+            run_dir=root,
+            env=env,
+            time_limit_s=self.time_limit_s,
+            rdzv_port=0 if site_wide and alone else order.master_port,
+            rdzv_addr=order.master_addr,
+            rdzv_host=min(order.ranks, key=lambda r: r.rank).site == self.site,
+            epoch=int(getattr(order, "epoch", 0)),
+        )
+        for followed in ranks:
+            self.report(followed.last)
+        try:
+            handle = await self.engine.submit(spec)
+        except (BackendError, OSError) as exc:
+            for followed in ranks:
+                self._final(followed, pb.TASK_STATE_FAILED, 127, f"cannot start: {exc}")
+            return []
+        self._watch(_Launch(order.job_id, handle, ranks))
+        log.info(
+            "job %s: ranks %s started (%s %s)",
+            order.job_id,
+            [r.rank for r in ranks],
+            self.engine.name,
+            handle.native_id,
+        )
+        return [r.rank for r in ranks]
+
+    def _follow(
+        self, job_id: str, r: pb.RankAssignment, files: RunFiles, fresh: bool = True
+    ) -> _Rank:
+        """Follow plan rank r's files (removed first for a fresh launch, kept for an
+        adopted one: its steps are read again, and the control plane keeps each step
+        once)."""
+        if fresh:
             for path in (
                 files.metrics(r.rank),
                 status_file(files.root, r.rank),
@@ -126,35 +218,41 @@ class LaunchManager:
                 files.error(r.rank),
             ):
                 path.unlink(missing_ok=True)
-            base = TaskUpdate(job_id=order.job_id, rank=r.rank, state=pb.TASK_STATE_STARTING)
-            ranks.append(
-                _Rank(
-                    rank=r.rank,
-                    gpu=r.gpu,
-                    metrics=FileTail(files.metrics(r.rank)),
-                    status=FileTail(status_file(files.root, r.rank)),
-                    log=FileTail(files.log(r.rank)),
-                    last=base,
-                )
-            )
-            self.report(base)
-        argv = self._launcher_argv(order, [r.rank for r in mine], files, plan_path, job_path)
-        try:
-            process = await self._start(argv, self._env(order, mine, files), files.root)
-        except OSError as exc:
-            for followed in ranks:
-                self._final(followed, pb.TASK_STATE_FAILED, 127, f"cannot start: {exc}")
-            return []
-        run = _Launch(order.job_id, self.node, process, files, ranks)
-        run.monitor = asyncio.create_task(self._monitor(run), name=f"launch-{order.job_id}")
-        self._launches[order.job_id] = run
-        log.info(
-            "job %s: ranks %s started (launcher pid %d)",
-            order.job_id,
-            [r.rank for r in ranks],
-            process.pid,
+        return _Rank(
+            rank=r.rank,
+            node=r.node,
+            gpu=r.gpu,
+            files=files,
+            metrics=FileTail(files.metrics(r.rank)),
+            status=FileTail(status_file(files.root, r.rank)),
+            # An adopted rank's earlier output was forwarded before the restart: skip it.
+            log=FileTail(files.log(r.rank), 0 if fresh else _size(files.log(r.rank))),
+            last=TaskUpdate(job_id=job_id, rank=r.rank, state=pb.TASK_STATE_STARTING),
         )
-        return [r.rank for r in ranks]
+
+    def _watch(self, run: _Launch) -> None:
+        run.monitor = asyncio.create_task(self._monitor(run), name=f"launch-{run.job_id}")
+        self._launches[run.job_id] = run
+
+    async def adopt(self) -> list[str]:
+        """Follow again the launches the engine still runs for this agent (after a
+        restart): no new launch for them. Returns their job ids."""
+        adopted = []
+        for handle in await self.engine.adopt():
+            if handle.job_id in self._launches:
+                continue
+            ranks = []
+            for k, share in enumerate(handle.nodes):
+                files = RunFiles(handle.run_dir / f"node-{k}")
+                for rank, gpu in zip(share.ranks, share.gpus, strict=True):
+                    r = pb.RankAssignment(rank=rank, site=self.site, node=share.node, gpu=gpu)
+                    ranks.append(self._follow(handle.job_id, r, files, fresh=False))
+            for followed in ranks:
+                self.report(followed.last)
+            self._watch(_Launch(handle.job_id, handle, ranks))
+            adopted.append(handle.job_id)
+            log.info("job %s: adopted %s %s", handle.job_id, self.engine.name, handle.native_id)
+        return adopted
 
     def _launcher_argv(
         self,
@@ -163,54 +261,33 @@ class LaunchManager:
         files: RunFiles,
         plan_path: Path,
         job_path: Path,
+        node: str,
     ) -> list[str]:
         nodes = {(r.site, r.node) for r in order.ranks}
         first = min(order.ranks, key=lambda r: r.rank)
-        host = (first.site, first.node) == (self.site, self.node)
+        host = (first.site, first.node) == (self.site, node)
+        endpoint = f"{order.master_addr}:{order.master_port}"
+        local_addr = self.advertise_host
+        if self.engine.site_wide:  # the engine knows where each node's workers are
+            local_addr = LOCAL_PLACEHOLDER
+            if all(r.site == self.site for r in order.ranks):
+                # This site's alone: the head node serves it, on a port the backend picks.
+                endpoint = f"{HEAD_PLACEHOLDER}:{PORT_PLACEHOLDER}"
         argv = [
             sys.executable, "-m", "cpn", "launch",
             "--plan", str(plan_path), "--job", str(job_path),
             "--ranks", ",".join(str(r) for r in mine),
             "--nnodes", str(len(nodes)),
-            "--rdzv-endpoint", f"{order.master_addr}:{order.master_port}",
+            "--rdzv-endpoint", endpoint,
             "--host" if host else "--no-host",
             "--run-id", order.job_id,
             "--workdir", str(files.root),
         ]  # fmt: skip
-        if self.advertise_host:
-            argv += ["--local-addr", self.advertise_host]
+        if local_addr:
+            argv += ["--local-addr", local_addr]
         if self.worker_command is not None:
             argv += ["--command", self.worker_command]
         return argv
-
-    def _env(
-        self, order: pb.LaunchOrder, mine: list[pb.RankAssignment], files: RunFiles
-    ) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            CPN_JOB_ID=order.job_id,
-            CPN_SITE=self.site,
-            CPN_NODE=self.node,
-            CPN_RUN_DIR=str(files.root),
-        )
-        if self.real_gpus:  # worker i uses cuda:i, the i-th GPU the plan gave this node
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(r.gpu) for r in mine)
-        env.update(dict(order.env))
-        return env
-
-    async def _start(
-        self, argv: list[str], env: dict[str, str], cwd: Path
-    ) -> asyncio.subprocess.Process:
-        with (cwd / "launcher.log").open("ab") as out:
-            return await asyncio.create_subprocess_exec(
-                *argv,
-                env=env,
-                cwd=cwd,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: a stop reaches all of it
-            )
 
     # -- following -------------------------------------------------------------------------
     def _update(self, r: _Rank, update: TaskUpdate, forwarded: bool = False) -> None:
@@ -232,74 +309,101 @@ class LaunchManager:
         self._update(r, update, forwarded)
 
     async def _monitor(self, run: _Launch) -> None:
+        engine, unknown_since = self.engine, None
         while run.running:
             for r in run.ranks:
                 self._read(r)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(run.process.wait(), STATUS_POLL_S)
+            await engine.wait(run.handle, engine.poll_interval_s)
+            try:
+                status = await engine.poll(run.handle)
+            except BackendError as exc:  # the engine did not answer: ask again
+                log.warning("job %s: %s", run.job_id, exc)
+                continue
+            if status.state is State.UNKNOWN:  # gone from every record the engine keeps
+                unknown_since = unknown_since or asyncio.get_running_loop().time()
+                if asyncio.get_running_loop().time() - unknown_since > UNKNOWN_LIMIT_S:
+                    status = replace(status, state=State.FAILED)
+            else:
+                unknown_since = None
+            if status != run.status:
+                log.info("job %s: %s %s", run.job_id, status.state.value, status.reason)
+            if "COMPLETING" in status.native and not run.stopping:
+                run.ending = True
+            run.status = status
         for r in run.ranks:
             self._read(r, final=True)
         self._finish(run)
 
     def _finish(self, run: _Launch) -> None:
-        """Final states from the launcher's exit status and its result.json."""
-        code = run.process.returncode
-        result = _result(run.files.root / "result.json")
-        failures = {int(f["rank"]): f for f in result.get("failures", []) if "rank" in f}
+        """Final states from the backend's status and each node's result.json."""
+        status = run.status
+        failures: dict[int, dict[str, Any]] = {}
+        for root in {r.files.root for r in run.ranks}:
+            result = _result(root / "result.json")
+            failures.update({int(f["rank"]): f for f in result.get("failures", []) if "rank" in f})
+        code = status.exit_code if status.exit_code is not None else -1
         for r in run.ranks:
-            if code == 0:
+            if status.state is State.SUCCEEDED:
                 self._final(r, pb.TASK_STATE_SUCCEEDED, 0, "")
             elif r.rank in failures:
                 f = failures[r.rank]
-                status = int(f.get("status", 1))
-                self._final(
-                    r, pb.TASK_STATE_FAILED, status, f"exited with {status}: {f.get('reason', '')}"
-                )
-            elif run.stopping:
-                self._final(r, pb.TASK_STATE_STOPPED, code or 0, run.stop_reason or "stop order")
-            elif failures:
-                first = next(iter(failures))
-                self._final(
-                    r, pb.TASK_STATE_STOPPED, code or 0, f"ended because worker {first} failed"
-                )
-            else:  # the launcher itself died (killed, out of memory): its workers died with it
+                exit_status = int(f.get("status", 1))
                 self._final(
                     r,
                     pb.TASK_STATE_FAILED,
-                    code if code is not None else -1,
-                    f"the launcher exited with {code}",
+                    exit_status,
+                    f"exited with {exit_status}: {f.get('reason', '')}",
                 )
-        log.info("job %s: launcher exited with %s", run.job_id, code)
+            elif run.stopping and not run.ending:
+                self._final(r, pb.TASK_STATE_STOPPED, code, run.stop_reason or "stop order")
+            elif failures:
+                first = next(iter(failures))
+                self._final(r, pb.TASK_STATE_STOPPED, code, f"ended because worker {first} failed")
+            else:  # the launch itself ended badly: killed, preempted, a node lost, ...
+                state, message = status.task_state()
+                self._final(r, state, code, message)
+        log.info(
+            "job %s: %s %s ended %s", run.job_id, self.engine.name, run.handle.native_id,
+            status.state.value,
+        )  # fmt: skip
 
     def _final(self, r: _Rank, state: pb.TaskState.ValueType, code: int, message: str) -> None:
         self._update(r, replace(r.last, state=state, exit_code=code, message=message[:4096]))
 
     # -- stopping --------------------------------------------------------------------------
     async def stop(self, job_id: str, reason: str = "") -> int:
-        """SIGTERM the launcher (it ends its workers), SIGKILL its group after the grace."""
+        """End a launch through its backend: SIGTERM (the launchers end their workers),
+        a kill after the grace."""
         run = self._launches.get(job_id)
         if run is None or not run.running:
             return 0
         run.stopping, run.stop_reason = True, reason
         log.info("job %s: stopping %d workers (%s)", job_id, len(run.ranks), reason or "stop order")
-        _signal_group(run.process, signal.SIGTERM)
         try:
-            await asyncio.wait_for(run.process.wait(), self.stop_grace_s)
-        except TimeoutError:
-            _signal_group(run.process, signal.SIGKILL)
-            await run.process.wait()
+            await self.engine.cancel(run.handle, self.stop_grace_s)
+        except BackendError as exc:
+            log.error("job %s: %s", job_id, exc)
         if run.monitor is not None:
             await run.monitor
         return len(run.ranks)
 
     async def stop_all(self) -> None:
+        """Stop what this agent started as its own children; a site engine's launches
+        keep running, for the agent to adopt when it comes back."""
+        if self.engine.site_wide:
+            for run in self._launches.values():
+                if run.monitor is not None:
+                    run.monitor.cancel()
+            return
         for job_id in list(self._launches):
             await self.stop(job_id, "agent shutting down")
 
 
-def _signal_group(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, sig)
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _result(path: Path) -> dict[str, Any]:

@@ -5,6 +5,9 @@
 #   - iproute2 (ip, tc) for `cpn demo`'s emulated sites and the benchmarks, and Debian's
 #     chromium and chromium-driver for the dashboard's browser test, when they are missing
 #     and we are root;
+#   - Slurm's controller, node daemon and client, and munge (Debian's slurmctld, slurmd,
+#     slurm-client, munge) when we are root: the Slurm backend's tests start a real
+#     cluster on this host (tests/slurm_cluster.py) and fail, not skip, without them;
 #   - the local PostgreSQL server, started if it is installed but not running (the
 #     registry tests run against it and must fail, not skip, when it is unreachable).
 # Re-running is cheap: the Python install is skipped while pyproject.toml is unchanged.
@@ -19,6 +22,16 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing iproute2 (ip, tc)"
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 >/dev/null
+    fi
+fi
+
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 \
+    || ! command -v sbatch >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Slurm (slurmctld, slurmd, slurm-client) and munge"
+        install="apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge"
+        DEBIAN_FRONTEND=noninteractive $install >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $install >/dev/null; }
     fi
 fi
 

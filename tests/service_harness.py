@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -43,6 +44,16 @@ class Cluster:
     http_port: int
     serve: Proc
     agents: dict[str, Proc]
+    #: How each agent was started, to start it again (restart_agent).
+    agent_argvs: dict[str, list[str]] = field(default_factory=dict)
+    agent_envs: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def restart_agent(self, site: str, sig: signal.Signals = signal.SIGKILL) -> Proc:
+        """Kill a site's agent (SIGKILL: no goodbye) and start it again, same flags."""
+        old = self.agents[site]
+        old.stop(sig)
+        self.agents[site] = Proc(self.agent_argvs[site], old.log, env=self.agent_envs.get(site))
+        return self.agents[site]
 
     @property
     def url(self) -> str:
@@ -54,10 +65,16 @@ class Cluster:
 
 @contextmanager
 def cluster(
-    tmp: Path, gpus: dict[str, int], *serve_extra: str, env: dict[str, str] | None = None
+    tmp: Path,
+    gpus: dict[str, int],
+    *serve_extra: str,
+    env: dict[str, str] | None = None,
+    agent_extra: dict[str, list[str]] | None = None,
+    agent_env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[Cluster]:
     """`cpn serve` on SQLite and one agent per site with that many virtual GPUs; returns
-    once every site is in the live topology with its WAN links measured."""
+    once every site is in the live topology with its WAN links measured. `agent_extra`:
+    more flags for a site's agent (`--backend slurm ...`), `agent_env` its environment."""
     db_url = f"sqlite:///{tmp}/cpn.db"
     grpc_port, http_port = free_port(), free_port()
     tokens = write_tokens(tmp / "tokens.yaml")
@@ -67,6 +84,7 @@ def cluster(
         env={"CPN_SCHEDULE_INTERVAL_S": "0.2", "CPN_STOP_GRACE_S": "8", **(env or {})},
     )
     agents: dict[str, Proc] = {}
+    argvs: dict[str, list[str]] = {}
     try:
         wait_until(
             lambda: httpx.get(f"http://127.0.0.1:{http_port}/readyz", timeout=2).status_code == 200,
@@ -75,14 +93,14 @@ def cluster(
             serve,
         )
         for site, n in gpus.items():
-            agents[site] = Proc(
-                agent_argv(
-                    site, grpc_port, tmp, "--virtual-gpus", str(n), "--gpu-memory-gb", "16",
-                    "--gpu-tflops", "10", "--probe-interval", "1",
-                    "--probe-bytes", "65536",
-                ),
-                tmp / f"agent-{site}.log",
+            argvs[site] = agent_argv(
+                site, grpc_port, tmp, "--virtual-gpus", str(n), "--gpu-memory-gb", "16",
+                "--gpu-tflops", "10", "--probe-interval", "1",
+                "--probe-bytes", "65536", *(agent_extra or {}).get(site, []),
             )  # fmt: skip
+            agents[site] = Proc(
+                argvs[site], tmp / f"agent-{site}.log", env=(agent_env or {}).get(site)
+            )
         key = make_key(db_url, "ops", "--admin")
         with CpnClient(f"http://127.0.0.1:{http_port}", key) as admin:
 
@@ -95,7 +113,7 @@ def cluster(
                 return len(topo.sites) == len(gpus) and len(topo.links) == pairs
 
             wait_until(ready, 90, "every site live with its WAN links measured", serve)
-        yield Cluster(db_url, http_port, serve, agents)
+        yield Cluster(db_url, http_port, serve, agents, argvs, dict(agent_env or {}))
     finally:
         for proc in agents.values():
             proc.stop()

@@ -125,13 +125,75 @@ def agent(
             show_default=False,
         ),
     ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="How the site runs workers: local (child processes on this node), slurm "
+            "(one batch job per launch on the site's Slurm; the agent serves every node of "
+            "the partition; the cluster is found through $SLURM_CONF) or kubernetes (one "
+            "Indexed Job per launch in --k8s-namespace; in-cluster or kubeconfig credentials).",
+        ),
+    ] = "local",
+    slurm_partition: Annotated[
+        str | None,
+        typer.Option(
+            "--slurm-partition", help="The Slurm partition cpn may use.", show_default=False
+        ),
+    ] = None,
+    slurm_account: Annotated[
+        str | None,
+        typer.Option("--slurm-account", help="The Slurm account to charge.", show_default=False),
+    ] = None,
+    slurm_sbatch_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--slurm-sbatch-arg",
+            help="One more sbatch option, verbatim (repeatable): --qos=high, --reservation=R.",
+            show_default=False,
+        ),
+    ] = None,
+    k8s_namespace: Annotated[
+        str | None,
+        typer.Option("--k8s-namespace", help="The namespace cpn may use.", show_default=False),
+    ] = None,
+    k8s_image: Annotated[
+        str | None,
+        typer.Option(
+            "--k8s-image", help="The image with cpn installed, for the pods.", show_default=False
+        ),
+    ] = None,
+    k8s_service_account: Annotated[
+        str | None,
+        typer.Option(
+            "--k8s-service-account", help="The pods' service account.", show_default=False
+        ),
+    ] = None,
+    k8s_work_claim: Annotated[
+        str | None,
+        typer.Option(
+            "--k8s-work-claim",
+            help="PersistentVolumeClaim mounted in the pods at --work-dir (shared with the agent).",
+            show_default=False,
+        ),
+    ] = None,
+    time_limit: Annotated[
+        int,
+        typer.Option(
+            "--time-limit",
+            min=60,
+            max=365 * 24 * 3600,
+            help="Seconds a launch may run on a site engine (Slurm's --time).",
+        ),
+    ] = 24 * 3600,
 ) -> None:
     """Run a site's agent: discover GPUs (NVML, nvidia-smi, torch.cuda, else virtual
     slots) and RDMA NICs (sysfs), register with the control plane, heartbeat, measure the
     WAN to peer sites, and launch or stop workers as ordered. Reconnects by itself when
     the control plane goes away."""
     from agents.agent import AgentError, run_agent  # noqa: PLC0415
-    from agents.config import AgentConfig  # noqa: PLC0415
+    from agents.backends.slurm import SlurmOptions  # noqa: PLC0415
+    from agents.config import AgentConfig, KubernetesSettings  # noqa: PLC0415
     from agents.discovery.gpus import VirtualGpus  # noqa: PLC0415
     from cpn.cli.serve import setup_logging  # noqa: PLC0415
 
@@ -146,6 +208,24 @@ def agent(
     for placeholder in re.findall(r"{([^}]*)}", worker_command or ""):
         if placeholder not in WORKER_PLACEHOLDERS:
             raise InputError(f"--worker-command: unknown placeholder {{{placeholder}}}")
+    if backend not in ("local", "slurm", "kubernetes"):
+        raise InputError(f"--backend: {backend!r} is not one of local, slurm, kubernetes")
+    k8s = None
+    if backend == "kubernetes":
+        if not k8s_namespace or not k8s_image:
+            raise InputError("--backend kubernetes: --k8s-namespace and --k8s-image are required")
+        k8s = KubernetesSettings(k8s_namespace, k8s_image, k8s_service_account, k8s_work_claim)
+    elif k8s_namespace or k8s_image or k8s_service_account or k8s_work_claim:
+        raise InputError("--k8s-* options need --backend kubernetes")
+    slurm = None
+    if backend == "slurm":
+        if not slurm_partition:
+            raise InputError("--backend slurm: --slurm-partition is required")
+        slurm = SlurmOptions(slurm_partition, slurm_account, tuple(slurm_sbatch_arg or ()))
+    elif slurm_partition or slurm_account or slurm_sbatch_arg:
+        raise InputError(
+            "--slurm-partition, --slurm-account and --slurm-sbatch-arg need --backend slurm"
+        )
     config = AgentConfig(
         site=site,
         control=control,
@@ -163,6 +243,10 @@ def agent(
         worker_command=worker_command,
         work_dir=work_dir.resolve(),
         tls_ca=tls_ca,
+        backend=backend,
+        slurm=slurm,
+        kubernetes=k8s,
+        time_limit_s=time_limit,
     )
     setup_logging(log_level)
 
