@@ -46,6 +46,9 @@ from proto.cpn.v1 import agent_pb2 as pb
 
 log = logging.getLogger("cpn.agent")
 
+#: How often the agent checks whether it must fence its workers.
+FENCE_CHECK_S = 0.5
+
 REFUSALS = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
@@ -198,7 +201,7 @@ class Agent:
         except OSError as exc:
             where = f"{self.config.probe_host}:{self.config.probe_port}"
             raise AgentError(f"--probe-port: cannot listen on {where} ({exc.strerror})") from None
-        host = self.config.advertise_host or route_address(self.config.control)
+        host = self.config.advertise_host or route_address(self.control.target)
         self.probe_address = f"{host}:{port}"
         self.launches.advertise_host = host
         log.info("WAN probe endpoint on %s", self.probe_address)
@@ -207,6 +210,7 @@ class Agent:
         except BackendError as exc:
             raise AgentError(f"cannot look for running launches: {exc}") from None
         backoff = Backoff(max_s=self.config.max_backoff_s)
+        fence = asyncio.create_task(self._fence(), name="cpn-fence")
         try:
             while True:
                 self.control.connect()
@@ -218,25 +222,50 @@ class Agent:
                     await self._after_rpc_error(exc, backoff)
                 except SessionEnded as exc:
                     log.info("%s; reconnecting", exc)
+                    self.control.fail_over()
                     await asyncio.sleep(min(backoff.next(), 1.0))
                 except TimeoutError:
                     delay = backoff.next()
                     log.warning(
                         "control plane %s did not answer in time; retrying in %.1f s",
-                        self.config.control,
+                        self.control.target,
                         delay,
                     )
+                    self.control.fail_over()
                     await asyncio.sleep(delay)
                 finally:
                     await self.control.close()
         finally:
+            fence.cancel()
             await self.launches.stop_all()
             await self.probe.stop()
+
+    async def _fence(self) -> None:
+        """Fencing: once our lease cannot have been renewed for a whole TTL, the control
+        plane has declared us lost and planned our jobs elsewhere (a newer epoch): every
+        worker here is stopped, so that a site cut off from the control plane does not
+        train on — nor write checkpoints — beside the epoch that replaced it. Checked
+        right after a SIGSTOP/SIGCONT too (the clock is monotonic)."""
+        while True:
+            await asyncio.sleep(FENCE_CHECK_S)
+            renewed = self.control.last_renewal
+            if renewed is None or not self.launches.any_running():
+                continue
+            silent = time.monotonic() - renewed
+            if silent > self.control.lease_ttl_s:
+                log.warning(
+                    "fenced: no lease renewal for %.1f s (TTL %.1f s); stopping every worker",
+                    silent,
+                    self.control.lease_ttl_s,
+                )
+                await self.launches.stop_all(
+                    f"fenced: no contact with the control plane for {silent:.0f} s", fence=True
+                )
 
     async def _after_rpc_error(self, exc: aio.AioRpcError, backoff: Backoff) -> None:
         if exc.code() in REFUSALS:
             raise AgentRefused(
-                f"control plane {self.config.control} refused the agent: "
+                f"control plane {self.control.target} refused the agent: "
                 f"{exc.code().name}: {exc.details()}"
             ) from None
         if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -246,11 +275,12 @@ class Agent:
         delay = backoff.next()
         log.warning(
             "control plane %s: %s (%s); retrying in %.1f s",
-            self.config.control,
+            self.control.target,
             exc.code().name,
             exc.details(),
             delay,
         )
+        self.control.fail_over()
         await asyncio.sleep(delay)
 
     async def _connect(self) -> None:
@@ -370,9 +400,8 @@ class Agent:
                 await self._launch(order)
             elif which == "stop":
                 log.info("order %s: stop job %s", assignment.order_id, assignment.stop.job_id)
-                task = asyncio.create_task(
-                    self.launches.stop(assignment.stop.job_id, assignment.stop.reason)
-                )
+                stop = assignment.stop
+                task = asyncio.create_task(self.launches.stop(stop.job_id, stop.reason, stop.epoch))
                 stops.add(task)
                 task.add_done_callback(stops.discard)
             else:
@@ -391,6 +420,7 @@ class Agent:
                         state=pb.TASK_STATE_FAILED,
                         exit_code=-1,
                         message=f"cannot launch: {exc}",
+                        epoch=order.epoch,
                     )
                 )
 

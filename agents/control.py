@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,17 +46,33 @@ class ControlLink:
         self.tls_roots = tls_roots
         self.lease_id: str | None = None
         self.heartbeat_interval_s = 3.0
+        self.lease_ttl_s = 10.0
+        #: When the control plane last renewed our lease (monotonic): fencing's clock.
+        self.last_renewal: float | None = None
         self.peers: list[pb.Peer] = []
         self.peers_version = 0
         self.peers_changed = asyncio.Event()  # set when the control plane sends new peers
         self.registrations = 0
+        #: Control planes to try, in turn (`--control a:1,b:2`: several sharing a database).
+        self.targets = [t.strip() for t in config.control.split(",") if t.strip()]
+        self._target = 0
         self._channel: aio.Channel | None = None
         self._stub: agent_pb2_grpc.AgentServiceAsyncStub | None = None
         self._beats: Any = None  # the session's HeartbeatStream call, opened on first use
 
     # -- channels --------------------------------------------------------------------------
+    @property
+    def target(self) -> str:
+        return self.targets[self._target]
+
+    def fail_over(self) -> None:
+        """The current control plane cannot be reached: the next session tries the next."""
+        if len(self.targets) > 1:
+            self._target = (self._target + 1) % len(self.targets)
+            log.info("trying control plane %s next", self.target)
+
     def connect(self) -> None:
-        target = self.config.control
+        target = self.target
         if self.tls_roots is None:
             self._channel = aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         else:
@@ -96,6 +113,8 @@ class ControlLink:
         response = await self.stub.Register(request, metadata=self.metadata, timeout=RPC_TIMEOUT_S)
         self.lease_id = response.lease_id
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
+        self.lease_ttl_s = response.lease_ttl_ms / 1000 or self.lease_ttl_s
+        self.last_renewal = time.monotonic()
         self._new_peers(response.peers, response.peers_version)
         self.registrations += 1
         log.info(
@@ -138,6 +157,9 @@ class ControlLink:
             if answer is aio.EOF:  # the server ended the stream without an error
                 raise SessionEnded("the control plane closed the heartbeat stream")
             response = answer
+        self.last_renewal = time.monotonic()
+        if response.lease_ttl_ms:
+            self.lease_ttl_s = response.lease_ttl_ms / 1000
         if response.heartbeat_interval_ms:
             self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000
         if response.peers_changed:

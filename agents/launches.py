@@ -69,6 +69,7 @@ class _Launch:
     job_id: str
     handle: Handle
     ranks: list[_Rank]
+    epoch: int = 0  # the launch order's (fencing: a stop or launch of an older one loses)
     status: Status = field(default_factory=lambda: Status(State.PENDING))
     stopping: bool = False
     stop_reason: str = ""
@@ -98,6 +99,8 @@ class LaunchManager:
     backend: SiteBackend | None = None
     time_limit_s: int = 24 * 3600
     _launches: dict[str, _Launch] = field(default_factory=dict)
+    #: (job, epoch) of every launch order carried out: a launch is done once per epoch.
+    _epochs: set[tuple[str, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.backend is None:
@@ -136,9 +139,21 @@ class LaunchManager:
         if not mine:
             log.info("job %s: no ranks on this agent", order.job_id)
             return []
-        if order.job_id in self._launches and self._launches[order.job_id].running:
-            log.warning("job %s is already running here; launch order ignored", order.job_id)
+        if order.epoch and (order.job_id, order.epoch) in self._epochs:
+            log.warning(
+                "job %s epoch %d was launched here already; order ignored",
+                order.job_id,
+                order.epoch,
+            )
             return []
+        current = self._launches.get(order.job_id)
+        if current is not None and current.running:
+            if not order.epoch or current.epoch >= order.epoch:
+                log.warning("job %s is already running here; launch order ignored", order.job_id)
+                return []
+            await self.stop(order.job_id, f"superseded by epoch {order.epoch}")
+        if order.epoch:
+            self._epochs.add((order.job_id, order.epoch))
         root = self.work_dir / order.job_id
         root.mkdir(parents=True, exist_ok=True)
         plan_path, job_path = root / "plan.json", root / "job.yaml"
@@ -156,7 +171,7 @@ class LaunchManager:
             files.root.mkdir(parents=True, exist_ok=True)
             (files.root / "result.json").unlink(missing_ok=True)
             for r in assigned:
-                ranks.append(self._follow(order.job_id, r, files))
+                ranks.append(self._follow(order.job_id, r, files, epoch=order.epoch))
             shares.append(
                 NodeShare(node, tuple(r.rank for r in assigned), tuple(r.gpu for r in assigned))
             )
@@ -183,7 +198,7 @@ class LaunchManager:
             rdzv_port=0 if site_wide and alone else order.master_port,
             rdzv_addr=order.master_addr,
             rdzv_host=min(order.ranks, key=lambda r: r.rank).site == self.site,
-            epoch=int(getattr(order, "epoch", 0)),
+            epoch=order.epoch,
         )
         for followed in ranks:
             self.report(followed.last)
@@ -193,7 +208,7 @@ class LaunchManager:
             for followed in ranks:
                 self._final(followed, pb.TASK_STATE_FAILED, 127, f"cannot start: {exc}")
             return []
-        self._watch(_Launch(order.job_id, handle, ranks))
+        self._watch(_Launch(order.job_id, handle, ranks, epoch=order.epoch))
         log.info(
             "job %s: ranks %s started (%s %s)",
             order.job_id,
@@ -204,7 +219,12 @@ class LaunchManager:
         return [r.rank for r in ranks]
 
     def _follow(
-        self, job_id: str, r: pb.RankAssignment, files: RunFiles, fresh: bool = True
+        self,
+        job_id: str,
+        r: pb.RankAssignment,
+        files: RunFiles,
+        fresh: bool = True,
+        epoch: int = 0,
     ) -> _Rank:
         """Follow plan rank r's files (removed first for a fresh launch, kept for an
         adopted one: its steps are read again, and the control plane keeps each step
@@ -227,7 +247,7 @@ class LaunchManager:
             status=FileTail(status_file(files.root, r.rank)),
             # An adopted rank's earlier output was forwarded before the restart: skip it.
             log=FileTail(files.log(r.rank), 0 if fresh else _size(files.log(r.rank))),
-            last=TaskUpdate(job_id=job_id, rank=r.rank, state=pb.TASK_STATE_STARTING),
+            last=TaskUpdate(job_id=job_id, rank=r.rank, state=pb.TASK_STATE_STARTING, epoch=epoch),
         )
 
     def _watch(self, run: _Launch) -> None:
@@ -246,10 +266,14 @@ class LaunchManager:
                 files = RunFiles(handle.run_dir / f"node-{k}")
                 for rank, gpu in zip(share.ranks, share.gpus, strict=True):
                     r = pb.RankAssignment(rank=rank, site=self.site, node=share.node, gpu=gpu)
-                    ranks.append(self._follow(handle.job_id, r, files, fresh=False))
+                    ranks.append(
+                        self._follow(handle.job_id, r, files, fresh=False, epoch=handle.epoch)
+                    )
             for followed in ranks:
                 self.report(followed.last)
-            self._watch(_Launch(handle.job_id, handle, ranks))
+            if handle.epoch:
+                self._epochs.add((handle.job_id, handle.epoch))
+            self._watch(_Launch(handle.job_id, handle, ranks, epoch=handle.epoch))
             adopted.append(handle.job_id)
             log.info("job %s: adopted %s %s", handle.job_id, self.engine.name, handle.native_id)
         return adopted
@@ -274,6 +298,9 @@ class LaunchManager:
                 # This site's alone: the head node serves it, on a port the backend picks.
                 endpoint = f"{HEAD_PLACEHOLDER}:{PORT_PLACEHOLDER}"
         argv = [
+            # The launcher dies with this agent (and its workers with it, cpn.train.guard):
+            # an agent killed with its host leaves nothing training behind.
+            sys.executable, "-m", "cpn.train.guard",
             sys.executable, "-m", "cpn", "launch",
             "--plan", str(plan_path), "--job", str(job_path),
             "--ranks", ",".join(str(r) for r in mine),
@@ -287,6 +314,11 @@ class LaunchManager:
             argv += ["--local-addr", local_addr]
         if self.worker_command is not None:
             argv += ["--command", self.worker_command]
+        elif order.checkpoint_store:
+            argv += ["--checkpoint-store", order.checkpoint_store]
+            argv += ["--checkpoint-every", str(order.checkpoint_every)]
+        if self.worker_command is None and order.resume_from:
+            argv += ["--resume-from", order.resume_from]
         return argv
 
     # -- following -------------------------------------------------------------------------
@@ -371,11 +403,14 @@ class LaunchManager:
         self._update(r, replace(r.last, state=state, exit_code=code, message=message[:4096]))
 
     # -- stopping --------------------------------------------------------------------------
-    async def stop(self, job_id: str, reason: str = "") -> int:
+    async def stop(self, job_id: str, reason: str = "", epoch: int = 0) -> int:
         """End a launch through its backend: SIGTERM (the launchers end their workers),
-        a kill after the grace."""
+        a kill after the grace. Only a launch of `epoch` or older (0: any)."""
         run = self._launches.get(job_id)
         if run is None or not run.running:
+            return 0
+        if epoch and run.epoch > epoch:
+            log.info("job %s: stop of epoch %d ignored, epoch %d runs", job_id, epoch, run.epoch)
             return 0
         run.stopping, run.stop_reason = True, reason
         log.info("job %s: stopping %d workers (%s)", job_id, len(run.ranks), reason or "stop order")
@@ -387,16 +422,19 @@ class LaunchManager:
             await run.monitor
         return len(run.ranks)
 
-    async def stop_all(self) -> None:
-        """Stop what this agent started as its own children; a site engine's launches
-        keep running, for the agent to adopt when it comes back."""
-        if self.engine.site_wide:
+    def any_running(self) -> bool:
+        return any(run.running for run in self._launches.values())
+
+    async def stop_all(self, reason: str = "agent shutting down", *, fence: bool = False) -> None:
+        """Stop every launch; at shutdown (not `fence`) a site engine's launches keep
+        running instead, for the agent to adopt when it comes back. A fenced agent (its
+        lease lost) stops them too: their jobs run elsewhere now."""
+        if self.engine.site_wide and not fence:
             for run in self._launches.values():
                 if run.monitor is not None:
                     run.monitor.cancel()
             return
-        for job_id in list(self._launches):
-            await self.stop(job_id, "agent shutting down")
+        await asyncio.gather(*(self.stop(job_id, reason) for job_id in list(self._launches)))
 
 
 def _size(path: Path) -> int:

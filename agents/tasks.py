@@ -38,6 +38,7 @@ class TaskUpdate:
     checkpoint_id: str = ""
     exit_code: int = 0
     message: str = ""
+    epoch: int = 0  # the launch order's epoch (fencing: the control plane drops older ones)
 
     @property
     def ended(self) -> bool:
@@ -61,6 +62,7 @@ class TaskUpdate:
             checkpoint_id=self.checkpoint_id,
             exit_code=self.exit_code,
             message=self.message[:MAX_MESSAGE],
+            epoch=self.epoch,
         )
         if self.loss is not None:
             request.loss = self.loss

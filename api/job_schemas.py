@@ -113,6 +113,12 @@ class JobPublic(BaseModel):
     rendezvous: str | None = Field(description="host:port of the job's torch rendezvous")
     progress: ProgressPublic
     failure: FailurePublic | None
+    epoch: int = Field(description="launches so far: +1 at every (re)admission; 0: none yet")
+    restarts: int = Field(description="launched again after its own workers failed")
+    losses: int = Field(description="planned again after losing an agent (infrastructure)")
+    checkpoint: dict[str, Any] | None = Field(
+        description="where the next launch resumes: {epoch, step, path} of a checkpoint"
+    )
     created_at: datetime
     scheduled_at: datetime | None
     started_at: datetime | None

@@ -44,6 +44,9 @@ class Cluster:
     http_port: int
     serve: Proc
     agents: dict[str, Proc]
+    serve_argv: list[str]
+    serve_env: dict[str, str]
+    tmp: Path
     #: How each agent was started, to start it again (restart_agent).
     agent_argvs: dict[str, list[str]] = field(default_factory=dict)
     agent_envs: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -62,6 +65,22 @@ class Cluster:
     def client(self, key: str) -> CpnClient:
         return CpnClient(self.url, key)
 
+    def restart_serve(self) -> None:
+        """Start `cpn serve` again (after it was stopped or killed), on the same ports and
+        database; returns once it is ready."""
+        assert not self.serve.alive()
+        self.serve = Proc(self.serve_argv, self.tmp / "serve.log", env=self.serve_env)
+        _wait_ready(self.http_port, self.serve)
+
+
+def _wait_ready(http_port: int, serve: Proc) -> None:
+    wait_until(
+        lambda: httpx.get(f"http://127.0.0.1:{http_port}/readyz", timeout=2).status_code == 200,
+        120,  # a loaded CI machine takes a minute to import and start it
+        "cpn serve to be ready",
+        serve,
+    )
+
 
 @contextmanager
 def cluster(
@@ -69,37 +88,50 @@ def cluster(
     gpus: dict[str, int],
     *serve_extra: str,
     env: dict[str, str] | None = None,
+    db_url: str | None = None,
+    lease_ttl: float = 10,
     agent_extra: dict[str, list[str]] | None = None,
     agent_env: dict[str, dict[str, str]] | None = None,
+    every_agent: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
-    """`cpn serve` on SQLite and one agent per site with that many virtual GPUs; returns
-    once every site is in the live topology with its WAN links measured. `agent_extra`:
-    more flags for a site's agent (`--backend slurm ...`), `agent_env` its environment."""
-    db_url = f"sqlite:///{tmp}/cpn.db"
+    """`cpn serve` (on SQLite unless `db_url` says otherwise) and one agent per site with
+    that many virtual GPUs; returns once every site is in the live topology with its WAN
+    links measured. `every_agent`: more flags for every agent; `agent_extra`: for one
+    site's agent (`--backend slurm ...`), `agent_env` its environment."""
+    db_url = db_url or f"sqlite:///{tmp}/cpn.db"
     grpc_port, http_port = free_port(), free_port()
     tokens = write_tokens(tmp / "tokens.yaml")
-    serve = Proc(
-        serve_argv(db_url, tokens, grpc_port, http_port, "--lease-ttl", "10", *serve_extra),
-        tmp / "serve.log",
-        env={"CPN_SCHEDULE_INTERVAL_S": "0.2", "CPN_STOP_GRACE_S": "8", **(env or {})},
-    )
+    heartbeat = min(3.0, lease_ttl / 4)
+    argv = serve_argv(
+        db_url, tokens, grpc_port, http_port, "--lease-ttl", f"{lease_ttl:g}",
+        "--heartbeat-interval", f"{heartbeat:g}", *serve_extra,
+    )  # fmt: skip
+    # Rendezvous ports of this cluster's own, near a port free now: other test runs on
+    # the machine use the default range on 127.0.0.1 too.
+    base = free_port()
+    base = min(base, 65535 - 64)
+    serve_env = {
+        "CPN_SCHEDULE_INTERVAL_S": "0.2",
+        "CPN_STOP_GRACE_S": "8",
+        "CPN_RENDEZVOUS_PORT_MIN": str(base),
+        "CPN_RENDEZVOUS_PORT_MAX": str(base + 63),
+        **(env or {}),
+    }
+    serve = Proc(argv, tmp / "serve.log", env=serve_env)
     agents: dict[str, Proc] = {}
-    argvs: dict[str, list[str]] = {}
+    made = Cluster(
+        db_url, http_port, serve, agents, argv, serve_env, tmp, agent_envs=dict(agent_env or {})
+    )
     try:
-        wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{http_port}/readyz", timeout=2).status_code == 200,
-            60,
-            "cpn serve to be ready",
-            serve,
-        )
+        _wait_ready(http_port, serve)
         for site, n in gpus.items():
-            argvs[site] = agent_argv(
+            made.agent_argvs[site] = agent_argv(
                 site, grpc_port, tmp, "--virtual-gpus", str(n), "--gpu-memory-gb", "16",
-                "--gpu-tflops", "10", "--probe-interval", "1",
-                "--probe-bytes", "65536", *(agent_extra or {}).get(site, []),
+                "--gpu-tflops", "10", "--probe-interval", "1", "--probe-bytes", "65536",
+                *every_agent, *(agent_extra or {}).get(site, []),
             )  # fmt: skip
             agents[site] = Proc(
-                argvs[site], tmp / f"agent-{site}.log", env=(agent_env or {}).get(site)
+                made.agent_argvs[site], tmp / f"agent-{site}.log", env=(agent_env or {}).get(site)
             )
         key = make_key(db_url, "ops", "--admin")
         with CpnClient(f"http://127.0.0.1:{http_port}", key) as admin:
@@ -112,9 +144,9 @@ def cluster(
                 pairs = len(gpus) * (len(gpus) - 1) // 2
                 return len(topo.sites) == len(gpus) and len(topo.links) == pairs
 
-            wait_until(ready, 90, "every site live with its WAN links measured", serve)
-        yield Cluster(db_url, http_port, serve, agents, argvs, dict(agent_env or {}))
+            wait_until(ready, 180, "every site live with its WAN links measured", serve)
+        yield made
     finally:
         for proc in agents.values():
             proc.stop()
-        serve.stop()
+        made.serve.stop()  # the one running now (a test may have restarted it)

@@ -28,7 +28,13 @@ def _node_name(explicit: str | None) -> str:
 @app.command()
 def agent(
     site: Annotated[str, typer.Option(help="The site this agent serves.")],
-    control: Annotated[str, typer.Option(help="Control plane gRPC address, HOST:PORT.")],
+    control: Annotated[
+        str,
+        typer.Option(
+            help="Control plane gRPC address, HOST:PORT; several, comma-separated, are "
+            "tried in turn (control planes sharing one PostgreSQL).",
+        ),
+    ],
     token: Annotated[
         str,
         typer.Option(
@@ -199,9 +205,10 @@ def agent(
 
     if not _NAME.match(site) or len(site) > 64:
         raise InputError(f"--site: {site!r}: use letters, digits and _ . - (start alphanumeric)")
-    host, sep, port = control.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise InputError(f"--control: {control!r}: expected HOST:PORT")
+    for address in control.split(","):
+        host, sep, port = address.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InputError(f"--control: {control!r}: expected HOST:PORT[,HOST:PORT…]")
     node = _node_name(node_name)
     if not _NAME.match(node):
         raise InputError(f"--node-name: {node!r}: use letters, digits and _ . -")

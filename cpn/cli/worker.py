@@ -56,6 +56,14 @@ ResumeOpt = Annotated[
         help="Continue from the last complete checkpoint; it may come from another layout.",
     ),
 ]
+ResumeFromOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--resume-from",
+        help="Continue from this complete checkpoint step (STORE/step-NNNNNNNN), which may "
+        "be in another store and come from another layout.",
+    ),
+]
 StopOpt = Annotated[
     int | None,
     typer.Option("--stop-after", min=1, help="Stop at this step (default: train.steps)."),
@@ -103,6 +111,7 @@ def _options(
     device: str | None,
     sync_checkpoints: bool,
     metrics: Path | None = None,
+    resume_from: str | None = None,
 ) -> TrainOptions:
     from cpn.errors import InputError  # noqa: PLC0415
     from cpn.train.pipeline import Schedule  # noqa: PLC0415
@@ -119,6 +128,7 @@ def _options(
         checkpoint_every=checkpoint_every,
         async_checkpoint=not sync_checkpoints,
         resume=resume,
+        resume_from=resume_from,
         stop_after=stop_after,
         metrics_path=metrics,
         timeout_s=timeout,
@@ -164,6 +174,7 @@ def worker(
     checkpoint_store: StoreOpt = None,
     checkpoint_every: EveryOpt = 0,
     resume: ResumeOpt = False,
+    resume_from: ResumeFromOpt = None,
     stop_after: StopOpt = None,
     timeout: TimeoutOpt = 300,
     device: DeviceOpt = None,
@@ -195,7 +206,7 @@ def worker(
     path = None if metrics is None else Path(metrics.replace("{rank}", str(me)))
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
-        device, sync_checkpoints, path,
+        device, sync_checkpoints, path, resume_from,
     )  # fmt: skip
     # A worker of cpn's launcher: the launcher read the checkpoint against its checksums.
     start = check_launch(
@@ -249,6 +260,7 @@ def launch(
     checkpoint_store: StoreOpt = None,
     checkpoint_every: EveryOpt = 0,
     resume: ResumeOpt = False,
+    resume_from: ResumeFromOpt = None,
     stop_after: StopOpt = None,
     timeout: TimeoutOpt = 300,
     device: DeviceOpt = None,
@@ -306,7 +318,7 @@ def launch(
     spec_plan, spec_job = _load(plan, job)
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
-        device, sync_checkpoints,
+        device, sync_checkpoints, None, resume_from,
     )  # fmt: skip
     world = spec_plan.parallel.world_size
     starts = [
@@ -361,6 +373,7 @@ def train(
     checkpoint_store: StoreOpt = None,
     checkpoint_every: EveryOpt = 0,
     resume: ResumeOpt = False,
+    resume_from: ResumeFromOpt = None,
     stop_after: StopOpt = None,
     timeout: TimeoutOpt = 300,
     device: DeviceOpt = None,
@@ -383,7 +396,7 @@ def train(
     spec_plan, spec_job = _load(plan, job)
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
-        device, sync_checkpoints,
+        device, sync_checkpoints, None, resume_from,
     )  # fmt: skip
     world = spec_plan.parallel.world_size
     done = nothing_to_train(spec_job, opts, check_launch(spec_plan, spec_job, world, 0, opts))

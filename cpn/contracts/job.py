@@ -217,6 +217,36 @@ class ConstraintsSpec(_Strict):
     sites: list[Name] | None = Field(default=None, min_length=1)
 
 
+class OnWorkerError(StrEnum):
+    """What a worker that fails in user code (exits non-zero) does to its job."""
+
+    RESTART = "restart"  # launch the job again from its last checkpoint, up to max_restarts
+    FAIL = "fail"  # the job fails at once
+
+
+class RecoverySpec(_Strict):
+    """How a job survives failures (docs/contracts.md). Losses of infrastructure — an agent
+    whose lease expired, a site cut off — always re-plan the job from its last checkpoint
+    and do not use up `max_restarts`, which counts failures of the job's own workers."""
+
+    max_restarts: int = Field(default=0, ge=0, le=1000)
+    on_worker_error: OnWorkerError = OnWorkerError.FAIL
+    checkpoint_every: int = Field(
+        default=0,
+        ge=0,
+        le=INT32_MAX,
+        description="steps between checkpoints (0: the control plane's default)",
+    )
+    stuck_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 86_400,
+        allow_inf_nan=False,
+        description="a running rank that finishes no step for this long is stuck: handled "
+        "as a worker failure (None: never)",
+    )
+
+
 class JobSpec(_Strict):
     name: Name
     model: ModelSpec
@@ -228,6 +258,7 @@ class JobSpec(_Strict):
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     constraints: ConstraintsSpec = Field(default_factory=ConstraintsSpec)
     priority: int = Field(default=0, ge=-1000, le=1000)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

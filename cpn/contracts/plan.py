@@ -119,9 +119,9 @@ _FREE_TRAIN_FIELDS = ("steps", "lr", "seed")
 
 def job_digest(job: JobSpec) -> str:
     """A fingerprint of what a plan for `job` depends on: its name, model, batch and dtype,
-    layout, GPU budget, compression and constraints (not steps, learning rate, seed or
-    priority, which a plan does not predict from)."""
-    doc = job.model_dump(mode="json", exclude={"priority"})
+    layout, GPU budget, compression and constraints (not steps, learning rate, seed,
+    priority or the recovery policy, which a plan does not predict from)."""
+    doc = job.model_dump(mode="json", exclude={"priority", "recovery"})
     for name in _FREE_TRAIN_FIELDS:
         doc["train"].pop(name, None)
     return _digest(doc)

@@ -13,16 +13,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from cpn.control.auth import BearerTokenInterceptor
-from cpn.control.dispatch import AssignmentDispatcher
+from cpn.control.dispatch import AssignmentDispatcher, drop_orders
 from cpn.control.handlers import add_agent_service
 from cpn.control.leases import LeaseTable, LiveLease
 from cpn.control.servicer import AgentServicer, ControlState
@@ -30,7 +32,6 @@ from cpn.control.settings import ControlSettings
 from cpn.control.tokens import SiteTokens
 from cpn.errors import CpnError, InputError
 from cpn.registry import Registry
-from cpn.registry.events import EventKind, record_event
 from cpn.registry.leases import (
     HeartbeatRecord,
     StoredLease,
@@ -38,7 +39,7 @@ from cpn.registry.leases import (
     live_leases,
     mark_lost,
 )
-from cpn.registry.models import utcnow
+from cpn.registry.models import Lease, utcnow
 from proto.cpn.v1 import agent_pb2
 
 log = logging.getLogger("cpn.control")
@@ -69,8 +70,7 @@ class ControlServer:
     async def start(self) -> int:
         """Restore leases, bind and serve. Returns the bound gRPC port."""
         settings = self.state.settings
-        self.dispatcher.bind(asyncio.get_running_loop())
-        self.dispatcher.on_queued = self._record_order
+        self.dispatcher.bind(asyncio.get_running_loop(), self.state.run_db)
         await self._restore_leases()
         limit = settings.max_message_bytes
         server = aio.server(
@@ -139,40 +139,17 @@ class ControlServer:
 
     # ------------------------------------------------------------------ background work
 
-    def _record_order(self, site: str, agent_id: str, assignment: agent_pb2.Assignment) -> None:
-        """An `order_queued` event per order, written on the database thread."""
-        kind = assignment.WhichOneof("order") or "unknown"
-        job_id = assignment.launch.job_id if kind == "launch" else assignment.stop.job_id
-        message = f"{kind} order {assignment.order_id} for job {job_id} queued for {agent_id}"
-        data: dict[str, object] = {"order_id": assignment.order_id, "kind": kind}
-        if kind == "launch":
-            # What a task status from this agent may refer to (cpn.control.references).
-            data["ranks"] = [r.rank for r in assignment.launch.ranks if r.site == site]
-
-        def write() -> None:
-            with self.state.registry.write() as session:
-                record_event(
-                    session,
-                    EventKind.ORDER_QUEUED,
-                    message,
-                    site=site,
-                    agent_id=agent_id,
-                    job_id=job_id,
-                    data=data,
-                )
-
-        task = asyncio.ensure_future(self.state.run_db(write))
-        task.add_done_callback(_log_failure)
-
     async def _restore_leases(self) -> None:
-        """After a restart: every agent the database calls alive gets one full TTL to
-        register again (heartbeat grace, as Nomad gives after a leader change); the
-        reaper declares lost those that do not."""
+        """After a restart: every agent the database calls alive gets `restart_grace_s`
+        (at least one TTL) to register again (heartbeat grace, as Nomad gives after a
+        leader change: agents that backed off while we were down need time to come back);
+        the reaper declares lost those that do not."""
         stored = await self.state.run_db(self._load_leases)
         ttl = self.state.settings.lease_ttl_s
+        grace = max(ttl, self.state.settings.restart_grace_s)
         now_wall, now_mono = datetime.now(UTC), time.monotonic()
         for s in stored:
-            remaining = max((s.expires_at - now_wall).total_seconds(), ttl)
+            remaining = max((s.expires_at - now_wall).total_seconds(), grace)
             self.leases.put(
                 LiveLease(
                     lease_id=s.lease_id,
@@ -203,12 +180,21 @@ class ControlServer:
                 log.exception("reaper: will retry")
 
     async def reap(self) -> list[LiveLease]:
-        """Declare every agent whose lease expired lost. Returns their leases."""
+        """Declare every agent whose lease expired lost. Returns their leases.
+
+        On PostgreSQL other control planes may share the database, each holding the leases
+        of the agents connected to it and writing their renewals: leases this process
+        restored at start but whose agents renew elsewhere are let go, not declared lost,
+        and leases the database shows expired that no process here holds (another control
+        plane died with them) are reaped from the database."""
+        if self.state.registry.dialect == "postgresql":
+            await self.state.run_db(self._reap_stored)
         expired = self.leases.expired()
         for lease in expired:
             self.leases.remove(lease)
-            dropped = self.dispatcher.drop(lease.site, lease.agent_id)
-            gpus = await self.state.run_db(self._mark_lost, lease, dropped)
+            self.dispatcher.close(lease.site, lease.agent_id)
+            gpus, dropped = await self.state.run_db(self._mark_lost, lease)
+            self._tell_loss(lease.site, lease.agent_id)
             log.warning(
                 "agent %s/%s lost: lease expired (%d GPUs lost, %d orders dropped)",
                 lease.site,
@@ -218,12 +204,51 @@ class ControlServer:
             )
         return expired
 
-    def _mark_lost(self, lease: LiveLease, dropped_orders: int) -> int:
-        reason = "lease expired"
-        if dropped_orders:
-            reason += f"; {dropped_orders} queued orders dropped"
+    def _reap_stored(self) -> None:
+        settings = self.state.settings
+        margin = timedelta(seconds=2 * settings.flush_interval_s + settings.reaper_interval_s)
+        with self.state.registry.read() as session:
+            stale = [
+                s
+                for s in live_leases(session)
+                if s.expires_at < utcnow() - margin and self.leases.get(s.lease_id) is None
+            ]
+        for s in stale:
+            with self.state.registry.write() as session:
+                dropped = drop_orders(session, s.site, s.agent_id)
+                gpus = mark_lost(
+                    session, s.agent_pk, s.lease_id, utcnow(), "lease expired (held elsewhere)"
+                )
+            if gpus or dropped:
+                log.warning("agent %s/%s lost: lease expired elsewhere", s.site, s.agent_id)
+            self._tell_loss(s.site, s.agent_id)
+
+    def _tell_loss(self, site: str, agent_id: str) -> None:
+        for listener in self.state.loss_listeners:
+            try:
+                listener(site, agent_id)
+            except Exception:
+                log.exception("loss listener failed")
+
+    def _renewed_elsewhere(self, session: Session, lease: LiveLease) -> bool:
+        """A lease restored at start whose agent renews it through another control plane."""
+        if not lease.restored:
+            return False
+        row = session.scalar(select(Lease).where(Lease.lease_id == lease.lease_id))
+        return row is not None and row.revoked_at is None and row.expires_at > utcnow()
+
+    def _mark_lost(self, lease: LiveLease) -> tuple[int, int]:
+        """GPUs marked lost and orders dropped, in one transaction."""
         with self.state.registry.write() as session:
-            return mark_lost(session, lease.agent_pk, lease.lease_id, utcnow(), reason)
+            if self._renewed_elsewhere(session, lease):
+                log.info("lease of %s/%s is renewed elsewhere: let go", lease.site, lease.agent_id)
+                return 0, 0
+            dropped = drop_orders(session, lease.site, lease.agent_id)
+            reason = "lease expired"
+            if dropped:
+                reason += f"; {dropped} queued orders dropped"
+            gpus = mark_lost(session, lease.agent_pk, lease.lease_id, utcnow(), reason)
+            return gpus, dropped
 
     async def _flusher(self) -> None:
         interval = self.state.settings.flush_interval_s
@@ -252,11 +277,6 @@ def _read_pem(path: Path, flag: str) -> bytes:
     if b"-----BEGIN " not in data:
         raise InputError(f"{flag}: {path}: not a PEM file")
     return data
-
-
-def _log_failure(task: asyncio.Future[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("recording an order failed: %s", task.exception())
 
 
 __all__ = ["ControlServer", "PortInUse"]

@@ -35,7 +35,7 @@ from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
 from cpn.registry.inventory import AgentRegistration, NodeOwnedError, Registered, register_agent
 from cpn.registry.job_output import StepRecord, record_task_output
-from cpn.registry.models import Task, TaskState, utcnow
+from cpn.registry.models import Job, Task, TaskState, utcnow
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
 
@@ -65,6 +65,7 @@ class TaskReport:
     message: str
     steps: tuple[StepRecord, ...] = ()
     log_lines: tuple[str, ...] = ()
+    epoch: int = 0
 
 
 @dataclass
@@ -75,12 +76,17 @@ class ControlState:
     registry: Registry
     tokens: SiteTokens
     leases: LeaseTable = field(default_factory=LeaseTable)
-    dispatcher: AssignmentDispatcher = field(default_factory=AssignmentDispatcher)
+    dispatcher: AssignmentDispatcher = field(init=False)
     db: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="cpn-db")
     )
     task_listeners: list[Callable[[TaskReport], None]] = field(default_factory=list)
+    #: Called with (site, agent id) once an agent was declared lost (its GPUs marked lost).
+    loss_listeners: list[Callable[[str, str], None]] = field(default_factory=list)
     heartbeats: int = 0  # received since start (Prometheus /metrics)
+
+    def __post_init__(self) -> None:
+        self.dispatcher = AssignmentDispatcher(self.registry, self.settings.order_poll_s)
 
     async def run_db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         try:
@@ -258,8 +264,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             self._live_lease(request.site, request.agent_id, request.lease_id)
         except (InvalidField, _Denied) as exc:
             await _abort(context, exc)
-        async for assignment in self.s.dispatcher.stream(request.site, request.agent_id):
-            yield assignment
+        try:
+            async for assignment in self.s.dispatcher.stream(request.site, request.agent_id):
+                yield assignment
+        except _Denied as exc:  # the database failed: the agent retries with backoff
+            await _abort(context, exc)
 
     async def ReportTaskStatus(
         self, request: pb.ReportTaskStatusRequest, context: Context
@@ -288,6 +297,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             message=request.message,
             steps=steps,
             log_lines=log_lines,
+            epoch=request.epoch,
         )
         try:
             await self.s.run_db(self._task_tx, report)
@@ -305,11 +315,30 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             references.check_task(
                 session, site=r.site, agent_id=r.agent_id, job_id=r.job_id, rank=r.rank
             )
+            job_epoch = session.scalar(select(Job.epoch).where(Job.id == r.job_id))
+            if job_epoch is not None and r.epoch < job_epoch:
+                # A worker of a fenced epoch (stopped, or cut off and not yet told): its
+                # state is no longer the rank's, its steps not the job's.
+                log.info(
+                    "job %s rank %d: report of epoch %d ignored (the job is at epoch %d)",
+                    r.job_id,
+                    r.rank,
+                    r.epoch,
+                    job_epoch,
+                )
+                return
             task = session.scalar(select(Task).where(Task.job_id == r.job_id, Task.rank == r.rank))
             previous = task.state if task is not None else None
             if task is None:
                 task = Task(job_id=r.job_id, rank=r.rank)
                 session.add(task)
+            elif task.epoch != r.epoch:  # the first report of a new epoch: a new task
+                previous = None
+                task.metrics_steps = 0
+            task.epoch = r.epoch
+            now = utcnow()
+            if previous != r.state or r.step > (task.step or 0):
+                task.progressed_at = now  # started, or moved on: not stuck
             task.site = r.site
             task.agent_id = r.agent_id
             task.state = r.state
@@ -323,7 +352,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 task.checkpoint_id = r.checkpoint_id
             task.exit_code = r.exit_code if r.state in _FINAL else None
             task.message = r.message
-            task.updated_at = utcnow()
+            task.updated_at = now
             session.flush()
             record_task_output(
                 session, task, r.steps, r.log_lines, keep_lines=self.s.settings.log_lines_kept

@@ -35,7 +35,20 @@ class ControlSettings(BaseSettings):
     lease_ttl_s: float = Field(default=10.0, gt=0, description="an agent silent this long is lost")
     heartbeat_interval_s: float = Field(default=3.0, gt=0, description="asked of agents")
     reaper_interval_s: float = Field(default=0.5, gt=0)
+    restart_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="after a restart, agents the database calls alive get this long (at "
+        "least one lease TTL) to register again: agents retry with backoff up to 30 s",
+    )
     flush_interval_s: float = Field(default=0.5, gt=0, description="heartbeat batch writes")
+    order_poll_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="agents' order streams also look for new orders this often (orders "
+        "written by another control plane on the same database); unset: only when this "
+        "process queues one",
+    )
     max_message_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="largest request accepted from an agent"
     )
@@ -59,6 +72,21 @@ class ControlSettings(BaseSettings):
         description="after a stop order, GPUs are freed when every worker has ended or this "
         "many seconds have passed",
     )
+    checkpoint_root: str | None = Field(
+        default=None,
+        description="a directory or fsspec URL every site reaches: jobs write checkpoints "
+        "under ROOT/JOB/eEPOCH and resume from them after a loss (unset: no checkpoints)",
+    )
+    checkpoint_every: int = Field(
+        default=50, ge=1, description="steps between checkpoints of a job that does not say"
+    )
+    restart_backoff_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="a job restarted after a worker failure waits this long, doubled at each "
+        "restart (at most restart_backoff_max_s)",
+    )
+    restart_backoff_max_s: float = Field(default=300.0, ge=0)
     log_lines_kept: int = Field(
         default=2000, ge=10, le=1_000_000, description="worker output lines kept per rank"
     )

@@ -406,6 +406,7 @@ def task_status_request(req: pb.ReportTaskStatusRequest) -> TaskState:
     state = convert.task_state(req.state, "state")
     _integer(req.rank, "rank", INT32_MAX)
     _integer(req.step, "step", INT64_MAX)
+    _integer(req.epoch, "epoch", INT64_MAX)
     for name in ("intra_node", "intra_site", "wan"):
         _integer(getattr(req.bytes, name), f"bytes.{name}", INT64_MAX)
     # A non-finite loss is allowed: a diverged run reporting inf/nan is news, not garbage.

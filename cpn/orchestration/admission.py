@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from cpn.contracts import JobSpec, Plan, Reservations, Topology
 from cpn.control.settings import ControlSettings
 from cpn.errors import InfeasibleError, InputError
-from cpn.orchestration import states
+from cpn.orchestration import recovery, states
 from cpn.registry import (
     AllocationConflict,
     EmptyRegistry,
@@ -28,7 +28,7 @@ from cpn.registry import (
     build_topology,
     reserve_link,
 )
-from cpn.registry.models import Agent, Job, JobState, Node, RendezvousPort, Site
+from cpn.registry.models import Agent, Allocation, Job, JobState, Node, RendezvousPort, Site
 from cpn.scheduler import SolverSettings, plan_job
 
 log = logging.getLogger("cpn.orchestration")
@@ -76,8 +76,14 @@ def _wan_gbps(plan: Plan) -> dict[str, float]:
     }
 
 
-def _pick_port(session: Session, host: str, settings: ControlSettings) -> int | None:
+def _pick_port(
+    session: Session, host: str, settings: ControlSettings, avoid: int | None = None
+) -> int | None:
+    """The lowest rendezvous port no live job uses on `host` (nor `avoid`: a re-planned
+    job's previous port, which its fenced workers may still hold)."""
     used = set(session.scalars(select(RendezvousPort.port).where(RendezvousPort.host == host)))
+    if avoid is not None:
+        used.add(avoid)
     for port in range(settings.rendezvous_port_min, settings.rendezvous_port_max + 1):
         if port not in used:
             return port
@@ -95,23 +101,34 @@ def rank0_host(session: Session, plan: Plan) -> str:
     return probe_host(address or "")
 
 
+#: States admission takes jobs from: queued, or waiting to be planned again after a loss.
+ADMITTABLE = (JobState.PENDING, JobState.RESCHEDULING)
+
+
 def try_admit(registry: Registry, settings: ControlSettings, job_id: str) -> Admitted | Waiting:
     with registry.read() as session:
         job = session.get(Job, job_id)
-        if job is None or job.state is not JobState.PENDING:
+        if job is None or job.state not in ADMITTABLE:
             return Waiting("no longer pending")
+        was = job.state
         spec = JobSpec.model_validate(job.spec)
-        quoted = Plan.model_validate(job.plan) if job.plan is not None else None
+        previous = Plan.model_validate(job.plan) if job.plan is not None else None
         try:
             topology, held = build_topology(session)
         except EmptyRegistry as exc:
             return Waiting(f"waiting: {exc}")
     plan = None
     note = ""
-    if quoted is not None:
-        problem = _quoted_plan_fits(quoted, topology, held)
+    if was is JobState.RESCHEDULING and previous is not None:
+        try:
+            plan, how = recovery.replan(spec, previous, topology, held, settings)
+        except InfeasibleError as exc:
+            return Waiting(f"waiting to be planned again: {exc}")
+        note = f"planned again after a loss: {how}"
+    elif previous is not None:
+        problem = _quoted_plan_fits(previous, topology, held)
         if problem is None:
-            plan, note = quoted, f"the plan of quote {job.quote_id}"
+            plan, note = previous, f"the plan of quote {job.quote_id}"
         else:
             note = f"quote {job.quote_id}'s plan no longer fits ({problem}); planned again"
     if plan is None:
@@ -127,14 +144,19 @@ def try_admit(registry: Registry, settings: ControlSettings, job_id: str) -> Adm
     try:
         with registry.write() as session:
             job = session.get(Job, job_id, with_for_update=True)
-            if job is None or job.state is not JobState.PENDING:
+            if job is None or job.state is not was:
                 return Waiting("no longer pending")
+            if was is JobState.RESCHEDULING:
+                if session.scalar(select(Allocation.id).where(Allocation.job_id == job.id)):
+                    return Waiting("no longer pending")  # its last epoch still holds GPUs
+                recovery.restart_epoch(session, job)
             allocate_gpus(session, job.id, wanted)
             for key, gbps in _wan_gbps(plan).items():
                 a, b = key.split("|")
                 reserve_link(session, job.id, a, b, gbps)
             host = rank0_host(session, plan)
-            port = _pick_port(session, host, settings)
+            previous_port = job.rendezvous_port if job.rendezvous_host == host else None
+            port = _pick_port(session, host, settings, previous_port)
             if port is None:
                 raise _NoPort(
                     f"waiting: every rendezvous port {settings.rendezvous_port_min}–"
@@ -143,6 +165,7 @@ def try_admit(registry: Registry, settings: ControlSettings, job_id: str) -> Adm
             session.add(RendezvousPort(job_id=job.id, host=host, port=port))
             job.plan = plan.model_dump(mode="json")
             job.rendezvous_host, job.rendezvous_port = host, port
+            job.epoch += 1
             sites = plan.sites_used()
             reason = (
                 f"{plan.parallel.world_size} GPUs on {len(sites)} site"
@@ -152,8 +175,13 @@ def try_admit(registry: Registry, settings: ControlSettings, job_id: str) -> Adm
             )
             if note:
                 reason += f"; {note}"
+            if was is JobState.RESCHEDULING:
+                point = job.checkpoint
+                start = f"step {point['step']} (epoch {point['epoch']})" if point else "step 0"
+                reason += f"; epoch {job.epoch} resumes from {start}"
+            since = job.updated_at if was is JobState.RESCHEDULING else job.created_at
             states.transition(session, job, JobState.SCHEDULED, reason)
-            waited = (job.updated_at - job.created_at).total_seconds()
+            waited = (job.updated_at - since).total_seconds()
     except AllocationConflict as exc:
         return Waiting(f"waiting: {exc}")
     except _NoPort as exc:

@@ -5,11 +5,17 @@ log lines) as soon as one fails; and FAILED when an agent holding its GPUs is lo
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from datetime import datetime
+
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
-from cpn.orchestration import states
+from cpn.contracts import JobSpec
+from cpn.control.settings import ControlSettings
+from cpn.orchestration import recovery, states
 from cpn.registry.models import (
+    Agent,
+    AgentStatus,
     Allocation,
     Gpu,
     GpuStatus,
@@ -20,6 +26,7 @@ from cpn.registry.models import (
     Site,
     Task,
     TaskState,
+    utcnow,
 )
 
 LAST_LINES = 20
@@ -41,15 +48,31 @@ def last_lines(session: Session, job_id: str, rank: int, n: int = LAST_LINES) ->
     return list(reversed(rows))
 
 
-def advance(session: Session, job: Job) -> JobState | None:
-    """Apply what the ranks reported to an active job; returns the new state if changed."""
+def advance(
+    session: Session, job: Job, settings: ControlSettings, settle_s: float = 0.0
+) -> JobState | None:
+    """Apply what the ranks of the job's current epoch reported; returns the new state if
+    it changed (RESCHEDULING: restarted after a worker failure).
+
+    A failed rank is judged `settle_s` after it failed (one lease TTL): when a site is
+    lost, the other sites' workers fail at once on their broken collectives, while the
+    lost agent is declared lost only when its lease expires. Waiting lets that loss be
+    seen as a loss (the job is planned again) rather than as its workers' failure. A rank
+    that runs but finishes no step for `recovery.stuck_after_s` is a failure too."""
     if job.state not in states.ACTIVE:
         return None
-    tasks = {t.rank: t for t in session.scalars(select(Task).where(Task.job_id == job.id))}
+    tasks = {
+        t.rank: t
+        for t in session.scalars(select(Task).where(Task.job_id == job.id, Task.epoch == job.epoch))
+    }
     world = world_size(job)
     failed = sorted(r for r, t in tasks.items() if t.state is TaskState.FAILED)
     stopped = sorted(r for r, t in tasks.items() if t.state is TaskState.STOPPED)
+    now = utcnow()
     if failed or stopped:
+        first = min(tasks[r].updated_at for r in failed + stopped)
+        if settle_s and (now - first).total_seconds() < settle_s:
+            return None
         rank = failed[0] if failed else stopped[0]
         task = tasks[rank]
         lines = last_lines(session, job.id, rank)
@@ -59,15 +82,37 @@ def advance(session: Session, job: Job) -> JobState | None:
             reason += f": {task.message}"
         elif lines:
             reason += f": {lines[-1][:300]}"
-        job.failure = {
+        failure = {
             "rank": rank,
             "site": task.site,
             "exit_code": task.exit_code,
             "message": task.message,
             "last_lines": lines,
         }
-        states.transition(session, job, JobState.FAILED, reason)
-        return JobState.FAILED
+        if not failed:
+            # Stopped with no worker failing and no stop order of ours (the job would not
+            # be active): its agent fenced it, cut off from us for a lease TTL. A loss of
+            # infrastructure, not the job's fault: planned again, not counted as a restart.
+            recovery.reschedule(session, settings, job, reason)
+            return JobState.RESCHEDULING
+        return recovery.worker_failed(session, settings, job, failure, reason)
+    stuck = _stuck(job, tasks, now)
+    if stuck is not None:
+        task = tasks[stuck]
+        lines = last_lines(session, job.id, stuck)
+        limit = JobSpec.model_validate(job.spec).recovery.stuck_after_s
+        reason = (
+            f"rank {stuck} ({task.site}) is stuck: no step finished for {limit:g} s "
+            f"(at step {task.step})"
+        )
+        failure = {
+            "rank": stuck,
+            "site": task.site,
+            "exit_code": None,
+            "message": "stuck",
+            "last_lines": lines,
+        }
+        return recovery.worker_failed(session, settings, job, failure, reason)
     ended = [r for r, t in tasks.items() if t.state is TaskState.SUCCEEDED]
     running = [r for r, t in tasks.items() if t.state in (TaskState.RUNNING, TaskState.SUCCEEDED)]
     if job.state is JobState.SCHEDULED and len(running) == world:
@@ -76,6 +121,21 @@ def advance(session: Session, job: Job) -> JobState | None:
         states.transition(session, job, JobState.SUCCEEDED, f"all {world} ranks exited with 0")
         return JobState.SUCCEEDED
     return JobState.RUNNING if job.state is JobState.RUNNING else None
+
+
+def _stuck(job: Job, tasks: dict[int, Task], now: datetime) -> int | None:
+    """The first running rank of a RUNNING job that has not moved on for too long."""
+    if job.state is not JobState.RUNNING:
+        return None
+    limit = (job.spec.get("recovery") or {}).get("stuck_after_s")
+    if not limit:
+        return None
+    for rank in sorted(tasks):
+        task = tasks[rank]
+        since = task.progressed_at or task.updated_at
+        if task.state is TaskState.RUNNING and (now - since).total_seconds() > float(limit):
+            return rank
+    return None
 
 
 def lost_gpus(session: Session, job_ids: list[str]) -> dict[str, str]:
@@ -95,11 +155,20 @@ def lost_gpus(session: Session, job_ids: list[str]) -> dict[str, str]:
     return out
 
 
-def live_tasks(session: Session, job_id: str) -> int:
+def live_tasks(session: Session, job: Job) -> int:
+    """Ranks of the job's current epoch that still run on an agent that is not lost."""
+    lost = (
+        select(Site.name, Agent.agent_id)
+        .join(Agent, Agent.site_id == Site.id)
+        .where(Agent.status == AgentStatus.LOST)
+    )
     return len(
         session.scalars(
             select(Task.rank).where(
-                Task.job_id == job_id, Task.state.in_((TaskState.STARTING, TaskState.RUNNING))
+                Task.job_id == job.id,
+                Task.epoch == job.epoch,
+                Task.state.in_((TaskState.STARTING, TaskState.RUNNING)),
+                tuple_(Task.site, Task.agent_id).not_in(lost),
             )
         ).all()
     )

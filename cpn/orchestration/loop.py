@@ -30,13 +30,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import yaml
-from sqlalchemy import delete, select, update
+from sqlalchemy import and_, case, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from cpn.contracts import JobSpec, Plan
+from cpn.contracts.plan import job_digest
 from cpn.control import ControlServer, TaskReport
-from cpn.orchestration import lifecycle, states
-from cpn.orchestration.admission import Admitted, try_admit
+from cpn.control.dispatch import launch_assignment, queue, stop_assignment
+from cpn.orchestration import lifecycle, recovery, states
+from cpn.orchestration.admission import ADMITTABLE, Admitted, try_admit
+from cpn.orchestration.leader import Leadership
 from cpn.orchestration.metrics import ServiceMetrics
 from cpn.registry import Registry, release
 from cpn.registry.models import (
@@ -45,6 +48,7 @@ from cpn.registry.models import (
     Job,
     JobState,
     Node,
+    Order,
     RendezvousPort,
     Site,
     utcnow,
@@ -79,8 +83,7 @@ class Orchestrator:
         self._lock = threading.Lock()
         self._dirty: set[str] = set()
         self._admit = True
-        self._launched: set[str] = set()
-        self._stopped: set[str] = set()
+        self._sweep_now = False
         self._last_admission = 0.0
         #: The queue's head when it last did not fit (None: it fitted, or no queue).
         self._blocked: str | None = None
@@ -89,6 +92,12 @@ class Orchestrator:
         self._peers_version = -1
         self.ticks = 0
         self.healthy = False
+        self.leadership = Leadership(registry)
+        #: Whether this process ran the last tick (on PostgreSQL: held the advisory lock).
+        self.leading = False
+        #: How long a failed rank's job waits before the failure is judged: long enough
+        #: for the lease of an agent that died with it to expire and be reaped.
+        self._settle_s = self.settings.lease_ttl_s + 2 * self.settings.reaper_interval_s
 
     # ------------------------------------------------------------------ running
 
@@ -96,6 +105,7 @@ class Orchestrator:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self.control.state.task_listeners.append(self._on_report)
+        self.control.state.loss_listeners.append(self._on_loss)
         self._task = asyncio.create_task(self._run(), name="cpn-orchestration")
 
     async def stop(self) -> None:
@@ -104,6 +114,7 @@ class Orchestrator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._executor.shutdown(wait=True)
+        self.leadership.release()
 
     def wake(self, *, admit: bool = True) -> None:
         """Tick soon (thread-safe): a job was submitted or cancelled."""
@@ -115,6 +126,12 @@ class Orchestrator:
     def _on_report(self, report: TaskReport) -> None:
         with self._lock:
             self._dirty.add(report.job_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _on_loss(self, site: str, agent_id: str) -> None:
+        with self._lock:
+            self._sweep_now = True
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -142,15 +159,29 @@ class Orchestrator:
     # ------------------------------------------------------------------ one tick
 
     def tick(self) -> None:
+        leading = self.leadership.lead()
+        if leading != self.leading:
+            self.leading = leading
+            self._last_sweep = self._last_admission = 0.0  # look at everything again
+            self._peers_version = -1
+            if not leading:
+                log.info("orchestration: another control plane leads")
+        if not leading:
+            self.ticks += 1  # a follower's loop runs too (and /readyz says so)
+            return
         now = time.monotonic()
         with self._lock:
             dirty, self._dirty = self._dirty, set()
             admit, self._admit = self._admit, False
         admit_all = False
-        if self.control.leases.peers_version != self._peers_version:
+        agents_changed = self.control.leases.peers_version != self._peers_version
+        if agents_changed:
             self._peers_version = self.control.leases.peers_version
             admit = admit_all = True  # agents came or went: capacity changed
-        sweep = now - self._last_sweep >= SWEEP_S
+        # An agent lost: every active job is looked at now (its placement may be gone).
+        with self._lock:
+            lost, self._sweep_now = self._sweep_now, False
+        sweep = lost or agents_changed or now - self._last_sweep >= SWEEP_S
         if sweep:
             self._last_sweep = now
         freed = self._advance(dirty, sweep)
@@ -175,50 +206,83 @@ class Orchestrator:
             lost = lifecycle.lost_gpus(session, [j.id for j in jobs])
             for job in jobs:
                 if job.id in lost:
-                    states.transition(
-                        session,
-                        job,
-                        JobState.FAILED,
-                        f"the agent of {lost[job.id]} was lost (lease expired) while the "
-                        "job held its GPUs",
-                    )
+                    why = f"the agent of {lost[job.id]} was lost (lease expired)"
+                    recovery.reschedule(session, self.settings, job, why)
                     changed = True
-                elif lifecycle.advance(session, job) in (JobState.FAILED, JobState.SUCCEEDED):
+                elif lifecycle.advance(session, job, self.settings, self._settle_s) in (
+                    JobState.FAILED,
+                    JobState.SUCCEEDED,
+                    JobState.RESCHEDULING,
+                ):
                     changed = True
         return changed
 
     def _launch(self) -> None:
+        """Launch orders for every SCHEDULED job whose epoch has none yet: written with the
+        job locked, in one transaction, so a restart neither loses nor repeats them (the
+        orders table's unique key forbids a second launch of one epoch on one agent)."""
+        launched = select(Order.id).where(
+            Order.job_id == Job.id, Order.epoch == Job.epoch, Order.kind == "launch"
+        )
         with self.registry.read() as session:
-            # Ids first: a scheduled job's plan and spec (JSON) are read only once, when
-            # its orders go out, not on every tick.
-            scheduled = session.scalars(
-                select(Job.id).where(Job.state == JobState.SCHEDULED).order_by(Job.scheduled_at)
+            todo = session.scalars(
+                select(Job.id)
+                .where(Job.state == JobState.SCHEDULED, ~launched.exists())
+                .order_by(Job.scheduled_at, Job.id)
             ).all()
-            todo = [job_id for job_id in scheduled if job_id not in self._launched]
-            if not todo:
+        for job_id in todo:
+            self._launch_one(job_id)
+
+    def _launch_one(self, job_id: str) -> None:
+        with self.registry.write() as session:
+            job = session.get(Job, job_id, with_for_update=True)
+            if job is None or job.state is not JobState.SCHEDULED:
                 return
-            jobs = session.scalars(
-                select(Job).where(Job.id.in_(todo)).order_by(Job.scheduled_at, Job.id)
-            ).all()
-            orders = [(j, self._agents(session, j)) for j in jobs if j.state is JobState.SCHEDULED]
-        for job, agents in orders:
             assert job.plan is not None and job.rendezvous_port is not None
             plan = Plan.model_validate(job.plan)
             spec = JobSpec.model_validate(job.spec)
             fixed = spec.model_copy(update={"parallel": plan.parallel, "gpus": None})
             job_yaml = yaml.safe_dump(fixed.model_dump(mode="json", exclude_none=True))
+            if plan.binding is not None:
+                # Workers get the job with the layout the plan chose (not `auto` and a
+                # budget): the plan is bound to that job, which is the one it places.
+                binding = plan.binding.model_copy(update={"job_digest": job_digest(fixed)})
+                plan = plan.model_copy(update={"binding": binding})
+            store, every, resume_from = self._checkpointing(job, spec)
+            agents = self._agents(session, job)
             for site, agent_id in agents:
-                self.control.dispatcher.launch(
-                    site,
-                    agent_id,
+                order = launch_assignment(
                     job_id=job.id,
                     plan=plan,
                     job_yaml=job_yaml,
                     master_addr=job.rendezvous_host,
                     master_port=job.rendezvous_port,
+                    epoch=job.epoch,
+                    checkpoint_store=store,
+                    checkpoint_every=every,
+                    resume_from=resume_from,
                 )
-            self._launched.add(job.id)
-            log.info("job %s: launch orders sent to %s", job.id, ", ".join(a for _, a in agents))
+                queue(session, site, agent_id, order)
+        for site, agent_id in agents:
+            self.control.dispatcher.notify(site, agent_id)
+        log.info(
+            "job %s epoch %d: launch orders sent to %s%s",
+            job_id,
+            job.epoch,
+            ", ".join(a for _, a in agents),
+            f", resuming from {resume_from}" if resume_from else "",
+        )
+
+    def _checkpointing(self, job: Job, spec: JobSpec) -> tuple[str, int, str]:
+        """(store, every, resume_from) of the job's current epoch: each epoch writes under
+        a directory of its own (`ROOT/JOB/eN`), so workers of a fenced epoch can never
+        overwrite what a newer one reads."""
+        root = self.settings.checkpoint_root
+        if root is None:
+            return "", 0, ""
+        every = spec.recovery.checkpoint_every or self.settings.checkpoint_every
+        resume_from = str(job.checkpoint["path"]) if job.checkpoint else ""
+        return f"{root.rstrip('/')}/{job.id}/e{job.epoch}", every, resume_from
 
     def _agents(self, session: Session, job: Job) -> list[tuple[str, str]]:
         """(site, agent id) of every agent holding a shard of the job's plan."""
@@ -234,35 +298,46 @@ class Orchestrator:
         return sorted({(site, agent) for site, node, agent in rows if (site, node) in nodes})
 
     def _end(self) -> bool:
-        """Stop the workers of ended jobs that hold GPUs; free the GPUs once they are gone."""
+        """Stop the workers of jobs that ended or must be planned again and still hold
+        GPUs; free the GPUs once no rank of the epoch runs (ranks of lost agents do not
+        count), or `stop_grace_s` after the job left its active state."""
         grace = self.settings.stop_grace_s
         freed = False
+        stopped = select(Order.id).where(
+            Order.job_id == Job.id, Order.epoch == Job.epoch, Order.kind == "stop"
+        )
         with self.registry.read() as session:
             holding = session.scalars(
                 select(Job)
                 .where(Job.id.in_(select(Allocation.job_id).distinct()))
-                .where(Job.state.in_((JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)))
+                .where(Job.state.in_(states.RELEASING))
             ).all()
             ended = [
-                (j, self._agents(session, j), lifecycle.live_tasks(session, j.id)) for j in holding
+                (
+                    j,
+                    self._agents(session, j),
+                    lifecycle.live_tasks(session, j),
+                    j.state is not JobState.SUCCEEDED
+                    and not session.scalar(select(stopped.where(Job.id == j.id).exists())),
+                )
+                for j in holding
             ]
-        for job, agents, live in ended:
-            if job.id not in self._stopped and job.state is not JobState.SUCCEEDED:
+        for job, agents, live, stop in ended:
+            if stop:
+                with self.registry.write() as session:
+                    for site, agent_id in agents:
+                        order = stop_assignment(job.id, job.state_reason[:200], job.epoch)
+                        queue(session, site, agent_id, order)
                 for site, agent_id in agents:
-                    self.control.dispatcher.stop(
-                        site, agent_id, job_id=job.id, reason=job.state_reason[:200]
-                    )
+                    self.control.dispatcher.notify(site, agent_id)
                 log.info("job %s %s: stop orders sent", job.id, job.state.value)
-            self._stopped.add(job.id)
-            late = (
-                job.finished_at is not None and (utcnow() - job.finished_at).total_seconds() > grace
-            )
+            since = job.finished_at or job.updated_at
+            late = (utcnow() - since).total_seconds() > grace
             if live == 0 or late:
                 with self.registry.write() as session:
                     gpus = release(session, job.id)
                     session.execute(delete(RendezvousPort).where(RendezvousPort.job_id == job.id))
                 log.info("job %s: %d GPUs freed", job.id, gpus)
-                self._launched.discard(job.id)
                 freed = True
         return freed
 
@@ -303,11 +378,22 @@ class Orchestrator:
     def _queue_head(self, tried: set[str]) -> tuple[str, str, str, int] | None:
         """The first pending job in queue order (priority, then age) not tried this tick:
         four columns of one row, not the whole queue with its specs."""
+        # Jobs planned again after a loss come before queued ones of the same priority,
+        # once their last epoch has given its GPUs back and their backoff has passed.
+        holding = select(Allocation.job_id).where(Allocation.job_id == Job.id).exists()
+        due = or_(Job.not_before.is_(None), Job.not_before <= utcnow())
+        again = case((Job.state == JobState.RESCHEDULING, 0), else_=1)
         with self.registry.read() as session:
             row = session.execute(
                 select(Job.id, Job.state_reason, Job.name, Job.priority)
-                .where(Job.state == JobState.PENDING, Job.id.not_in(tried))
-                .order_by(Job.priority.desc(), Job.created_at, Job.id)
+                .where(
+                    or_(
+                        Job.state == JobState.PENDING,
+                        and_(Job.state == JobState.RESCHEDULING, ~holding, due),
+                    ),
+                    Job.id.not_in(tried),
+                )
+                .order_by(Job.priority.desc(), again, Job.created_at, Job.id)
                 .limit(1)
             ).first()
         return None if row is None else (row[0], row[1], row[2], row[3])
@@ -341,5 +427,5 @@ class Orchestrator:
             return
         with self.registry.write() as session:
             job = session.get(Job, job_id, with_for_update=True)
-            if job is not None and job.state is JobState.PENDING:
+            if job is not None and job.state in ADMITTABLE:
                 job.state_reason = new

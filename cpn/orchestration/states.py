@@ -34,6 +34,8 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
 }
 #: States in which a job holds (or may still hold) GPUs and workers.
 ACTIVE = frozenset({S.SCHEDULED, S.RUNNING})
+#: States in which a job's GPUs are given back once its workers have stopped.
+RELEASING = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.RESCHEDULING})
 #: States a job has not left for good.
 UNFINISHED = frozenset({S.PENDING, S.SCHEDULED, S.RUNNING, S.RESCHEDULING})
 

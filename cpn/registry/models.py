@@ -22,6 +22,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -343,6 +344,19 @@ class Job(Base):
     rendezvous_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
     #: Set when a failure ends it: {"rank", "exit_code", "message", "last_lines"}.
     failure: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: The current launch's epoch: 0 before the first launch, +1 at every admission
+    #: (first, and again after a loss or a restart). Launch orders, task states and
+    #: checkpoints belong to one epoch; anything of an older one is stale (fencing).
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: The checkpoint the next epoch resumes from: {"epoch", "step", "path"} of the newest
+    #: complete step written by an epoch while it was current (None: start at step 0).
+    checkpoint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: Launches again after a worker failed in user code, and after infrastructure losses
+    #: (an agent lost, a worker stuck): counted apart, only the first uses max_restarts.
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    losses: Mapped[int] = mapped_column(Integer, default=0)
+    #: Not admitted again before this time (backoff after a failure); None: at once.
+    not_before: Mapped[datetime | None] = mapped_column(nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     scheduled_at: Mapped[datetime | None] = mapped_column(nullable=True)
@@ -444,8 +458,42 @@ class LinkReservation(Base):
     gbps: Mapped[float] = mapped_column(Float)
 
 
+class OrderState(StrEnum):
+    QUEUED = "queued"  # waiting for the agent's WatchAssignments stream
+    DELIVERED = "delivered"  # written to the agent's stream
+    DROPPED = "dropped"  # its agent was lost before it was delivered
+
+
+class Order(Base):
+    """A launch or stop order for one agent, from the moment it is decided until the agent's
+    stream has taken it: orders outlive a control-plane restart (they are written in the
+    transaction that decides them), and UNIQUE (job, epoch, site, agent, kind) makes a
+    second launch of one job epoch on one agent impossible, whoever decides it."""
+
+    __tablename__ = "orders"
+    __table_args__ = (
+        UniqueConstraint("job_id", "epoch", "site", "agent_id", "kind"),
+        Index("ix_orders_agent_state", "site", "agent_id", "state", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    order_id: Mapped[str] = mapped_column(String(32), unique=True)
+    #: Not a foreign key: the control layer may order work for jobs the service layer did
+    #: not create (tools, tests); task reports then refer to the order (references.py).
+    job_id: Mapped[str] = mapped_column(String(64), index=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    site: Mapped[str] = mapped_column(String(64))
+    agent_id: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(8))  # launch | stop
+    #: The serialized cpn.v1.Assignment, exactly as the agent will receive it.
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    state: Mapped[OrderState] = mapped_column(_enum(OrderState), default=OrderState.QUEUED)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
 class Task(Base):
-    """The last status reported for one rank of a job."""
+    """The last status reported for one rank of a job (in the job's current epoch)."""
 
     __tablename__ = "tasks"
     __table_args__ = (UniqueConstraint("job_id", "rank"),)
@@ -453,6 +501,7 @@ class Task(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[str] = mapped_column(String(64), index=True)
     rank: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
     site: Mapped[str] = mapped_column(String(64))
     agent_id: Mapped[str] = mapped_column(String(128))
     state: Mapped[TaskState] = mapped_column(_enum(TaskState))
@@ -468,6 +517,8 @@ class Task(Base):
     #: twice (its reply was lost) is not counted twice.
     metrics_steps: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: When the rank last moved on: started, or reported a higher step (stuck detection).
+    progressed_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class Event(Base):

@@ -19,22 +19,23 @@ from __future__ import annotations
 import json
 import re
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field
 
-# torch.distributed.checkpoint's own fsspec storage (it has no public import path yet).
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-
 from cpn.contracts.job import JobSpec, ParallelSpec
 from cpn.contracts.loading import validate
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+# torch is imported where tensors are read or written, not here: the control plane lists
+# stores (which steps are complete) without loading torch.
 
 MARKER = "COMPLETE"
 INFO = "cpn.json"
@@ -116,7 +117,15 @@ class CheckpointStore:
         return self.step_path(step) if self.local else f"{self.url}/step-{step:08d}"
 
     # -- writing ---------------------------------------------------------------------------
+    def step_url(self, step: int) -> str:
+        """The step's directory as `--resume-from` takes it."""
+        return self._step_url(step)
+
     def writer(self, step: int) -> StorageWriter:
+        # torch.distributed.checkpoint's own fsspec storage (no public import path yet).
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: PLC0415
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter  # noqa: PLC0415
+
         if self.local:
             return FileSystemWriter(self.step_path(step))
         return FsspecWriter(self._step_url(step))
@@ -169,6 +178,9 @@ class CheckpointStore:
         return steps[-1] if steps else None
 
     def reader(self, step: int) -> StorageReader:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: PLC0415
+        from torch.distributed.checkpoint.filesystem import FileSystemReader  # noqa: PLC0415
+
         if self.local:
             return FileSystemReader(self.step_path(step))
         return FsspecReader(self._step_url(step))
@@ -252,11 +264,30 @@ def _size(fs: Any, path: str) -> int | None:
         return None
 
 
-def check_resumable(store: CheckpointStore, job: JobSpec, *, checksums: bool = True) -> int:
-    """The step a run of `job` resumes from; InputError if there is none it can use.
-    `checksums=False` skips reading every file against its CRC-32 (a caller that has
-    just done so in the same process)."""
-    step = store.latest_complete()
+def step_at(url: str) -> tuple[CheckpointStore, int]:
+    """The store and step of one checkpoint step directory (`STORE/step-NNNNNNNN`), as the
+    control plane names the point a job resumes from; InputError unless it is complete."""
+    base, _, name = url.rstrip("/").rpartition("/")
+    m = STEP_DIR.match(name)
+    if m is None or not base:
+        raise InputError(f"--resume-from: {url}: not a checkpoint step (…/step-NNNNNNNN)")
+    store, step = CheckpointStore(base), int(m.group(1))
+    try:
+        complete = store.fs.exists(f"{store.step_path(step)}/{MARKER}")
+    except OSError as exc:
+        raise InputError(f"--resume-from: {url}: cannot read ({exc})") from None
+    if not complete:
+        raise InputError(f"--resume-from: {url}: not a complete checkpoint (no {MARKER})")
+    return store, step
+
+
+def check_resumable(
+    store: CheckpointStore, job: JobSpec, step: int | None = None, *, checksums: bool = True
+) -> int:
+    """The step a run of `job` resumes from (`step`, else the newest complete one);
+    InputError if it cannot be used. `checksums=False` skips reading every file against
+    its CRC-32 (a caller that has just done so in the same process)."""
+    step = store.latest_complete() if step is None else step
     if step is None:
         raise InputError(f"--resume: no complete checkpoint in {store}")
     info = store.info(step)

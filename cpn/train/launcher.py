@@ -212,6 +212,8 @@ def worker_argv(plan: Path, job: Path, opts: TrainOptions, metrics: str) -> list
         args.append("--sync-checkpoints")
     if opts.resume:
         args.append("--resume")
+    if opts.resume_from:
+        args += ["--resume-from", opts.resume_from]
     if opts.stop_after is not None:
         args += ["--stop-after", str(opts.stop_after)]
     if opts.device is not None:

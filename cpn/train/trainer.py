@@ -39,7 +39,7 @@ from cpn.comm import Traffic, new_groups
 from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, WanCompression, layout_problem
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
-from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable
+from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable, step_at
 from cpn.train.data import BatchSource
 from cpn.train.data_parallel import DP_SYNCS, DataParallelSync, DpSync
 from cpn.train.layout import Layout
@@ -63,6 +63,9 @@ class TrainOptions:
     checkpoint_every: int = 0  # steps; 0: only at the end when a store is given
     async_checkpoint: bool = True  # write in the background while training goes on
     resume: bool = False
+    #: One complete checkpoint step to resume from (`STORE/step-NNNNNNNN`), possibly of
+    #: another store than `checkpoint_store` (a site agent's order: an earlier epoch's).
+    resume_from: str | None = None
     stop_after: int | None = None  # run up to this step (exclusive) instead of train.steps
     metrics_path: Path | None = None  # JSON lines per step; "-" for standard output
     timeout_s: float = 300.0  # how long a collective waits for a peer
@@ -107,6 +110,11 @@ def check_launch(
     # Built here even when not resuming: a store whose filesystem is not installed (s3://
     # without s3fs) is one line now, not a worker failing at its first checkpoint.
     store = None if opts.checkpoint_store is None else CheckpointStore(opts.checkpoint_store)
+    if opts.resume_from:
+        if opts.resume:
+            raise InputError("--resume-from: not with --resume (which resumes from the newest)")
+        at, step = step_at(opts.resume_from)
+        return check_resumable(at, job, step, checksums=checksums)
     if not opts.resume:
         return None
     if store is None:
@@ -261,22 +269,25 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the last complete checkpoint if asked to; the step to start from."""
-        if not self.opts.resume or self.store is None:
+        if self.opts.resume_from:
+            store, step = step_at(self.opts.resume_from)
+        elif self.opts.resume and self.store is not None:
+            # The files were checked against their CRC-32s before this worker started.
+            store, step = self.store, check_resumable(self.store, self.job, checksums=False)
+        else:
             return 0
-        # The files were checked against their CRC-32s before this worker started.
-        step = check_resumable(self.store, self.job, checksums=False)
-        info = self.store.info(step)
+        info = store.info(step)
         if info.files is None:
             log.warning(
                 "checkpoint %s has no checksums (written before cpn recorded them): "
                 "its files were checked for size only",
-                self.store.step_path(step),
+                store.step_path(step),
             )
-        resumed = self.snapshot.load(self.store, step)
+        resumed = self.snapshot.load(store, step)
         p = info.parallel
         log.info(
             "resumed from step %d of %s (written by dp=%d tp=%d pp=%d)",
-            resumed.step, self.store, p.dp, p.tp, p.pp,
+            resumed.step, store, p.dp, p.tp, p.pp,
         )  # fmt: skip
         if resumed.flushed_sites:
             log.warning(

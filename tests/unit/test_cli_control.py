@@ -40,11 +40,11 @@ def _one_line_error(out: subprocess.CompletedProcess[str], words: str) -> None:
 def test_db_upgrade_current_downgrade(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/reg.db"
     out = cpn("db", "upgrade", "--database-url", url)
-    assert out.returncode == 0 and "database at revision 0002" in out.stdout, out.stderr
-    assert cpn("db", "current", "--database-url", url).stdout.strip() == "0002: up to date"
+    assert out.returncode == 0 and "database at revision 0003" in out.stdout, out.stderr
+    assert cpn("db", "current", "--database-url", url).stdout.strip() == "0003: up to date"
     out = cpn("db", "downgrade", "base", "--database-url", url)
     assert out.returncode == 0 and "base (empty)" in out.stdout
-    assert "behind (newest is 0002)" in cpn("db", "current", "--database-url", url).stdout
+    assert "behind (newest is 0003)" in cpn("db", "current", "--database-url", url).stdout
 
 
 def test_db_url_from_the_environment(tmp_path: Path) -> None:

@@ -104,6 +104,7 @@ HEARTBEATS: dict[str, tuple[dict[str, Any], str]] = {
 
 REPORTS: dict[str, tuple[dict[str, Any], str]] = {
     "step beyond BIGINT": ({"step": 2**64 - 1}, "step: must be ≤ 9223372036854775807"),
+    "epoch beyond BIGINT": ({"epoch": 2**63}, "epoch: must be ≤ 9223372036854775807"),
     "rank beyond INTEGER": ({"rank": 2**32 - 1}, "rank: must be ≤ 2147483647"),
     "bytes beyond BIGINT": (
         {"bytes": pb.LinkBytes(wan=2**64 - 1)},

@@ -17,13 +17,15 @@ from sqlalchemy import func, select
 
 from cpn.contracts import Plan
 from cpn.control import TaskReport
-from cpn.registry import Registry
+from cpn.registry import Registry, upgrade
 from cpn.registry.models import (
     Agent,
     AgentStatus,
     Event,
     Gpu,
     GpuStatus,
+    Order,
+    OrderState,
     Site,
     Task,
     TaskState,
@@ -331,7 +333,9 @@ def test_after_a_restart_agents_must_register_again_and_absentees_are_reaped(
         first = _register(client).lease_id
         _register(client, site="b", agent_id="never-back")
         channel.close()
-    with control_server(sqlite_url, lease_ttl_s=1.0, heartbeat_interval_s=0.2) as srv:
+    with control_server(
+        sqlite_url, lease_ttl_s=1.0, heartbeat_interval_s=0.2, restart_grace_s=1.0
+    ) as srv:
         channel, client = stub(srv.server.port)
         code, details = _code(lambda: _heartbeat(client, first))
         assert code == grpc.StatusCode.NOT_FOUND and "restarted" in details
@@ -347,7 +351,8 @@ def test_after_a_restart_agents_must_register_again_and_absentees_are_reaped(
             time.sleep(0.1)
             return states()["never-back"][0] == AgentStatus.LOST
 
-        # never-back had up to the old server's TTL (5 s) left: it gets that much grace.
+        # never-back had up to the old server's TTL (5 s) left: it gets that much grace
+        # (more than restart_grace_s).
         wait_for(never_back_lost, what="never-back lost")
         assert states()["agent-1"] == (AgentStatus.ALIVE, 2)
         channel.close()
@@ -374,7 +379,8 @@ PLAN = Plan.model_validate(
 
 
 def test_orders_queued_before_the_agent_watches_are_delivered_in_order(sqlite_url: str) -> None:
-    with control_server(sqlite_url) as srv:
+    # This agent never heartbeats: a lease long enough for the whole test on a busy machine.
+    with control_server(sqlite_url, lease_ttl_s=60) as srv:
         channel, client = stub(srv.server.port)
         lease = _register(client).lease_id
         dispatcher = srv.server.dispatcher
@@ -431,6 +437,69 @@ def test_orders_queued_before_the_agent_watches_are_delivered_in_order(sqlite_ur
         reader.join(10)
         assert got[0].stop.job_id == "job-8"
         newer.cancel()
+        channel.close()
+
+
+def delivered(srv: Any) -> bool:
+    with srv.registry.read() as s:
+        states = s.scalars(select(Order.state)).all()
+    return set(states) == {OrderState.DELIVERED}
+
+
+def test_orders_outlive_a_restart_and_are_delivered_once(db_url: str) -> None:
+    """Orders are rows: queued before a restart, delivered after it; delivered ones are not
+    sent again by the next control plane; the same order for one job epoch is queued once;
+    a lost agent's undelivered orders are dropped."""
+    upgrade(db_url)
+    launch = dict(
+        plan=PLAN, job_yaml="name: tiny\n", master_addr="h", master_port=1, epoch=3,
+        checkpoint_store="/ckpt/job-1/e3", checkpoint_every=5, resume_from="/ckpt/e2/step-00000010",
+    )  # fmt: skip
+    with control_server(db_url, migrate=False, lease_ttl_s=60) as srv:
+        first = srv.server.dispatcher.launch("a", "agent-1", job_id="job-1", **launch)
+        again = srv.server.dispatcher.launch("a", "agent-1", job_id="job-1", **launch)
+        assert again == first  # one launch per (job, epoch, agent)
+        stop = srv.server.dispatcher.stop("a", "agent-1", job_id="job-1", epoch=3)
+    with control_server(db_url, migrate=False, lease_ttl_s=60) as srv:
+        channel, client = stub(srv.server.port)
+        lease = _register(client).lease_id
+        watch = pb.WatchAssignmentsRequest(site="a", agent_id="agent-1", lease_id=lease)
+        stream = client.WatchAssignments(watch, metadata=auth("a"), timeout=30)
+        got = [next(stream), next(stream)]
+        assert [g.order_id for g in got] == [first, stop]
+        order = got[0].launch
+        assert (order.epoch, order.checkpoint_store, order.checkpoint_every, order.resume_from) == (
+            3, "/ckpt/job-1/e3", 5, "/ckpt/e2/step-00000010",
+        )  # fmt: skip
+        assert got[1].stop.epoch == 3
+
+        wait_for(lambda: delivered(srv), what="both orders marked delivered")
+        stream.cancel()
+        channel.close()
+    with control_server(db_url, migrate=False, lease_ttl_s=1, reaper_interval_s=0.1) as srv:
+        channel, client = stub(srv.server.port)
+        lease = _register(client).lease_id
+        later = srv.server.dispatcher.stop("a", "agent-1", job_id="job-2")
+        stream = client.WatchAssignments(
+            pb.WatchAssignmentsRequest(site="a", agent_id="agent-1", lease_id=lease),
+            metadata=auth("a"),
+            timeout=30,
+        )
+        assert next(stream).order_id == later  # nothing delivered before comes again
+        wait_for(lambda: delivered(srv), what="the new order marked delivered")
+        stream.cancel()
+        # Queued for an agent that then goes silent: dropped when it is declared lost.
+        srv.server.dispatcher.stop("a", "agent-1", job_id="job-3")
+
+        def dropped() -> bool:
+            with srv.registry.read() as s:
+                row = s.scalars(select(Order).where(Order.job_id == "job-3")).one()
+            return row.state is OrderState.DROPPED
+
+        wait_for(dropped, what="the lost agent's order dropped")
+        with srv.registry.read() as s:
+            lost = s.scalars(select(Event).where(Event.kind == "agent_lost")).one()
+        assert "1 queued orders dropped" in lost.message
         channel.close()
 
 

@@ -53,7 +53,7 @@ from tests.registry_factories import node, register
 TABLES = {
     "sites", "agents", "leases", "nodes", "gpus", "rdma_nics", "wan_links", "jobs", "tenants",
     "api_keys", "quotes", "rendezvous_ports", "job_log_lines", "job_steps",
-    "allocations", "link_reservations", "tasks", "events",
+    "allocations", "link_reservations", "tasks", "events", "orders",
 }  # fmt: skip
 
 

@@ -618,6 +618,10 @@ class LaunchOrder(_message.Message):
     MASTER_ADDR_FIELD_NUMBER: _builtins.int
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_STORE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_EVERY_FIELD_NUMBER: _builtins.int
+    RESUME_FROM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     plan_json: _builtins.str
     """the plan (docs/contracts.md), as cpn plan --json prints it"""
@@ -627,6 +631,22 @@ class LaunchOrder(_message.Message):
     master_addr: _builtins.str
     """torch.distributed rendezvous"""
     master_port: _builtins.int
+    epoch: _builtins.int
+    """The launch's epoch: 1 for a job's first launch, one more each time it is launched
+    again (re-planned after a loss, restarted after a worker failure). An agent launches
+    a (job, epoch) once, stops workers of an older epoch of the job, and stops all of its
+    workers by itself when it has not reached the control plane for a lease TTL (fencing).
+    Task reports carry it back.
+    """
+    checkpoint_store: _builtins.str
+    """Where the workers write checkpoints (a directory or an fsspec URL every site reaches,
+    private to this epoch), and every how many steps; empty / 0: no checkpoints.
+    """
+    checkpoint_every: _builtins.int
+    resume_from: _builtins.str
+    """A complete checkpoint step to resume from (`STORE/step-NNNNNNNN`, written by an
+    earlier epoch of the job and chosen by the control plane); empty: start from step 0.
+    """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankAssignment]:
         """the whole rank map, every site"""
@@ -646,10 +666,14 @@ class LaunchOrder(_message.Message):
         master_addr: _builtins.str = ...,
         master_port: _builtins.int = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        epoch: _builtins.int = ...,
+        checkpoint_store: _builtins.str = ...,
+        checkpoint_every: _builtins.int = ...,
+        resume_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "job_id", b"job_id", "job_yaml", b"job_yaml", "master_addr", b"master_addr", "master_port", b"master_port", "plan_json", b"plan_json", "ranks", b"ranks", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_every", b"checkpoint_every", "checkpoint_store", b"checkpoint_store", "env", b"env", "epoch", b"epoch", "job_id", b"job_id", "job_yaml", b"job_yaml", "master_addr", b"master_addr", "master_port", b"master_port", "plan_json", b"plan_json", "ranks", b"ranks", "resume_from", b"resume_from", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -661,17 +685,21 @@ class StopOrder(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     reason: _builtins.str
+    epoch: _builtins.int
+    """Stop workers of this epoch and older; 0: every epoch of the job."""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -750,6 +778,7 @@ class ReportTaskStatusRequest(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     LOG_LINES_FIELD_NUMBER: _builtins.int
     LOG_LINES_DROPPED_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     agent_id: _builtins.str
     lease_id: _builtins.str
@@ -767,6 +796,10 @@ class ReportTaskStatusRequest(_message.Message):
     log_lines_dropped: _builtins.int
     """Lines the agent could not keep (its buffer was full while the control plane was out
     of reach) before `log_lines`.
+    """
+    epoch: _builtins.int
+    """The epoch of the launch this rank belongs to (LaunchOrder.epoch); 0 from agents that
+    predate epochs. A report of an older epoch than the job's is recorded as an event only.
     """
     @_builtins.property
     def bytes(self) -> Global___LinkBytes:
@@ -803,10 +836,11 @@ class ReportTaskStatusRequest(_message.Message):
         steps: _abc.Iterable[Global___StepMetrics] | None = ...,
         log_lines: _abc.Iterable[_builtins.str] | None = ...,
         log_lines_dropped: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "bytes", b"bytes", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "agent_id", b"agent_id", "bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "exit_code", b"exit_code", "job_id", b"job_id", "lease_id", b"lease_id", "log_lines", b"log_lines", "log_lines_dropped", b"log_lines_dropped", "loss", b"loss", "message", b"message", "rank", b"rank", "site", b"site", "state", b"state", "step", b"step", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "agent_id", b"agent_id", "bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "lease_id", b"lease_id", "log_lines", b"log_lines", "log_lines_dropped", b"log_lines_dropped", "loss", b"loss", "message", b"message", "rank", b"rank", "site", b"site", "state", b"state", "step", b"step", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
