@@ -1,9 +1,8 @@
 """References in a task status that must exist: the job, and the rank in it at this agent.
 
 An agent reports on workers it launched, and it launches workers only on the control
-plane's order. Every order is recorded as an `order_queued` event in the same database
-(`ControlServer._record_order`, on the one database thread, before the agent can have
-received the order), which survives a control-plane restart, unlike the orders themselves.
+plane's order. Every order is recorded with an `order_queued` event in the transaction
+that writes the order (`cpn.control.dispatch.queue`), before the agent can receive it.
 So a report is accepted only for a job and rank that a launch order queued for this very
 agent placed at its site: any other site token could otherwise fail (or fake the progress
 of) another tenant's job, or report on a job that was never scheduled.
