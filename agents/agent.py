@@ -48,6 +48,8 @@ log = logging.getLogger("cpn.agent")
 
 #: How often the agent checks whether it must fence its workers.
 FENCE_CHECK_S = 0.5
+#: How often a site engine's agent compares what the engine offers with what it registered.
+CAPACITY_CHECK_S = 5.0
 
 REFUSALS = {
     grpc.StatusCode.UNAUTHENTICATED,
@@ -167,6 +169,7 @@ class Agent:
             stop_grace_s=config.stop_grace_s,
             backend=make_backend(config, self.hardware),
             time_limit_s=config.time_limit_s,
+            on_node_lost=self.refresh_capacity,
         )
 
     # ------------------------------------------------------------------ main loop
@@ -313,6 +316,8 @@ class Agent:
             asyncio.create_task(self._watch()),
             asyncio.create_task(self.reports.deliver(self._request, self.control.report)),
         ]
+        if self.launches.engine.site_wide:
+            tasks.append(asyncio.create_task(self._watch_capacity()))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -325,6 +330,42 @@ class Agent:
             self.control.close_stream()
 
     # ------------------------------------------------------------------ session work
+
+    async def refresh_capacity(self) -> None:
+        """A site engine's nodes as it offers them now; when that changed (a node down,
+        drained, or back), the agent registers again with them, so that the registry's
+        GPUs are what the engine offers: GPUs of a node gone while a job holds them are
+        marked lost (the job is planned again), a node back is offered again."""
+        engine = self.launches.engine
+        if not engine.site_wide or self.inventory is None:
+            return
+        try:
+            capacity = await engine.capacity()
+        except BackendError as exc:
+            log.warning("site capacity unknown: %s", exc)
+            return
+        inventory = site_inventory(capacity, self.config, engine)
+        if inventory == self.inventory:
+            return
+        before = {n.name for n in self.inventory.nodes}
+        after = {n.name for n in inventory.nodes}
+        log.warning(
+            "%s now offers %d nodes (gone: %s; back: %s); registering again",
+            engine.name,
+            len(after),
+            ", ".join(sorted(before - after)) or "none",
+            ", ".join(sorted(after - before)) or "none",
+        )
+        self.inventory = inventory
+        if self.control.lease_id is not None:
+            await self.control.register(inventory, self.probe_address)
+
+    async def _watch_capacity(self) -> None:
+        """Every health interval, for a site engine: its capacity, registered again when
+        it changed (a task of the session: it never returns)."""
+        while True:
+            await asyncio.sleep(CAPACITY_CHECK_S)
+            await self.refresh_capacity()
 
     def _check_health(self) -> tuple[pb.Health.ValueType, str]:
         """This node's hardware; for a Slurm site, the registered nodes as Slurm sees them

@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from agents.backends.base import HEAD_PLACEHOLDER, LOCAL_PLACEHOLDER, PORT_PLACE
 from agents.backends.local import LocalBackend
 from agents.logs import Outbox, new_lines
 from agents.status import status_file
-from agents.tasks import TaskUpdate, with_metrics, with_status_line
+from agents.tasks import MAX_MESSAGE, TaskUpdate, with_metrics, with_status_line
 from cpn.train.launcher import RunFiles
 from cpn.train.tail import FileTail
 from proto.cpn.v1 import agent_pb2 as pb
@@ -48,6 +48,10 @@ log = logging.getLogger("cpn.agent")
 STATUS_POLL_S = 0.25
 #: How long a launch may be unknown to its engine before it counts as failed.
 UNKNOWN_LIMIT_S = 30.0
+#: A rank's states before its worker process exists.
+_NOT_STARTED = (pb.TASK_STATE_STARTING, pb.TASK_STATE_PENDING)
+#: Ends of a launch that the site decided, not the workers nor cpn.
+_TAKEN_BY_SITE = frozenset({State.CANCELLED, State.PREEMPTED, State.NODE_LOST})
 
 
 @dataclass
@@ -98,6 +102,10 @@ class LaunchManager:
     #: The site's engine (None: local processes on this node).
     backend: SiteBackend | None = None
     time_limit_s: int = 24 * 3600
+    #: Awaited when the engine lost a node under a launch, before the ranks say so: the
+    #: agent registers what its site still offers first, so that the job is not planned
+    #: onto the lost node again.
+    on_node_lost: Callable[[], Awaitable[None]] | None = None
     _launches: dict[str, _Launch] = field(default_factory=dict)
     #: (job, epoch) of every launch order carried out: a launch is done once per epoch.
     _epochs: set[tuple[str, int]] = field(default_factory=set)
@@ -329,9 +337,9 @@ class LaunchManager:
 
     def _read(self, r: _Rank, final: bool = False) -> None:
         update = r.last
-        if update.state == pb.TASK_STATE_STARTING and r.log.path.exists():
+        if update.state in _NOT_STARTED and r.log.path.exists():
             # torch's agent opens a worker's log as it starts the process: it runs.
-            update = replace(update, state=pb.TASK_STATE_RUNNING)
+            update = replace(update, state=pb.TASK_STATE_RUNNING, message="")
         records = r.metrics.records(final)
         for record in records:
             update = with_metrics(update, record)
@@ -359,12 +367,26 @@ class LaunchManager:
                 unknown_since = None
             if status != run.status:
                 log.info("job %s: %s %s", run.job_id, status.state.value, status.reason)
+                if status.state is State.PENDING:  # queued by the engine: its reason shown
+                    self._pending(run, status)
             if "COMPLETING" in status.native and not run.stopping:
                 run.ending = True
             run.status = status
         for r in run.ranks:
             self._read(r, final=True)
+        if run.status.state is State.NODE_LOST and self.on_node_lost is not None:
+            try:
+                await self.on_node_lost()
+            except Exception:  # the loss must still be reported
+                log.exception("job %s: could not register the site's nodes again", run.job_id)
         self._finish(run)
+
+    def _pending(self, run: _Launch, status: Status) -> None:
+        """Ranks not started yet say that the engine holds them in its queue, and why."""
+        state, message = status.task_state()
+        for r in run.ranks:
+            if r.last.state in _NOT_STARTED:
+                self._update(r, replace(r.last, state=state, message=message[:MAX_MESSAGE]))
 
     def _finish(self, run: _Launch) -> None:
         """Final states from the backend's status and each node's result.json."""
@@ -374,9 +396,15 @@ class LaunchManager:
             result = _result(root / "result.json")
             failures.update({int(f["rank"]): f for f in result.get("failures", []) if "rank" in f})
         code = status.exit_code if status.exit_code is not None else -1
+        # The site took the launch away (an outside cancel, a preemption, a lost node): its
+        # word for every rank, before the workers' own failures, which follow from it.
+        taken = status.state in _TAKEN_BY_SITE and not run.stopping
         for r in run.ranks:
             if status.state is State.SUCCEEDED:
                 self._final(r, pb.TASK_STATE_SUCCEEDED, 0, "")
+            elif taken:
+                state, message = status.task_state()
+                self._final(r, state, code, message)
             elif r.rank in failures:
                 f = failures[r.rank]
                 exit_status = int(f.get("status", 1))
@@ -400,7 +428,7 @@ class LaunchManager:
         )  # fmt: skip
 
     def _final(self, r: _Rank, state: pb.TaskState.ValueType, code: int, message: str) -> None:
-        self._update(r, replace(r.last, state=state, exit_code=code, message=message[:4096]))
+        self._update(r, replace(r.last, state=state, exit_code=code, message=message[:MAX_MESSAGE]))
 
     # -- stopping --------------------------------------------------------------------------
     async def stop(self, job_id: str, reason: str = "", epoch: int = 0) -> int:

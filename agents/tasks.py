@@ -6,8 +6,13 @@ The states (proto `TaskState`, one comment each):
   RUNNING    the worker process runs (and may report steps);
   SUCCEEDED  the worker exited 0;
   FAILED     the worker exited non-zero or could not start (exit code and why);
-  STOPPED    a stop order ended it, or the launcher did because another worker failed.
-The last three are terminal: nothing follows them for that launch.
+  STOPPED    a stop order ended it, or the launcher did because another worker failed;
+and from a site engine (Slurm, Kubernetes), whose word says who ended the work:
+  PENDING    queued by the engine, not started yet;
+  CANCELLED  cancelled at the site, not by cpn (an operator's scancel);
+  PREEMPTED  the engine took the nodes back for other work;
+  NODE_LOST  a node of the launch failed.
+All but STARTING, RUNNING and PENDING are terminal: nothing follows them for that launch.
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ from typing import Any
 from proto.cpn.v1 import agent_pb2 as pb
 
 ENDED: frozenset[pb.TaskState.ValueType] = frozenset(
-    {pb.TASK_STATE_SUCCEEDED, pb.TASK_STATE_FAILED, pb.TASK_STATE_STOPPED}
+    {
+        pb.TASK_STATE_SUCCEEDED,
+        pb.TASK_STATE_FAILED,
+        pb.TASK_STATE_STOPPED,
+        pb.TASK_STATE_CANCELLED,
+        pb.TASK_STATE_PREEMPTED,
+        pb.TASK_STATE_NODE_LOST,
+    }
 )
 LINK_CLASSES = ("intra_node", "intra_site", "wan")
 MAX_MESSAGE = 4096

@@ -80,24 +80,30 @@ class Status:
         return self.state in FINAL
 
     def task_state(self) -> tuple[pb.TaskState.ValueType, str]:
-        """The protocol's TaskState for this status, and the message to send with it.
-
-        The wire has five task states; the four it lacks travel in the message, which
-        starts with the state's name ("PREEMPTED: ...") until the protocol carries them."""
+        """The protocol's TaskState for this status, and the message to send with it: the
+        state's name and the engine's own words ("PREEMPTED: Slurm job 12 PREEMPTED"), so
+        that a rank's message says what the site's engine said. UNKNOWN (the engine has
+        no record) is FAILED on the wire: the agent reports it only once it gave up."""
         state, detail = self.state, self.reason or self.native
-        if state is State.PENDING:
-            return pb.TASK_STATE_STARTING, f"PENDING: {detail}" if detail else "PENDING"
+        said = f"{state.value}: {detail}" if detail else state.value
         if state is State.STARTING:
             return pb.TASK_STATE_STARTING, ""
         if state is State.RUNNING:
             return pb.TASK_STATE_RUNNING, ""
         if state is State.SUCCEEDED:
             return pb.TASK_STATE_SUCCEEDED, ""
-        if state is State.CANCELLED:
-            return pb.TASK_STATE_STOPPED, f"CANCELLED: {detail}" if detail else "CANCELLED"
         if state is State.FAILED:  # the wire says FAILED itself
             return pb.TASK_STATE_FAILED, detail or "FAILED"
-        return pb.TASK_STATE_FAILED, f"{state.value}: {detail}" if detail else state.value
+        return _WIRE.get(state, pb.TASK_STATE_FAILED), said
+
+
+#: The engine's states that have a protocol state of their own (the rest: task_state()).
+_WIRE: dict[State, pb.TaskState.ValueType] = {
+    State.PENDING: pb.TASK_STATE_PENDING,
+    State.CANCELLED: pb.TASK_STATE_CANCELLED,
+    State.PREEMPTED: pb.TASK_STATE_PREEMPTED,
+    State.NODE_LOST: pb.TASK_STATE_NODE_LOST,
+}
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
 from cpn.registry.inventory import AgentRegistration, NodeOwnedError, Registered, register_agent
 from cpn.registry.job_output import StepRecord, record_task_output
-from cpn.registry.models import Job, Task, TaskState, utcnow
+from cpn.registry.models import FINAL_TASK_STATES, Job, Task, TaskState, utcnow
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
 
@@ -370,6 +370,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 )
 
 
-_FINAL = {TaskState.SUCCEEDED, TaskState.FAILED, TaskState.STOPPED}
+_FINAL = FINAL_TASK_STATES
 
 __all__ = ["AgentServicer", "ControlState", "TaskReport"]

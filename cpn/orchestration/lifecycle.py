@@ -1,7 +1,8 @@
 """A scheduled job's state from its ranks' reports: RUNNING once every rank runs,
-SUCCEEDED when every rank ended well, FAILED (with the rank, its exit code and its last
-log lines) as soon as one fails; and FAILED when an agent holding its GPUs is lost
-(re-planning from a checkpoint is the failure-recovery work's RESCHEDULING)."""
+SUCCEEDED when every rank ended well; when a rank fails, its recovery policy decides
+(restart from the last checkpoint, or FAILED with the rank, its exit code and its last
+log lines); a loss of infrastructure — an agent holding its GPUs lost, a site engine
+that preempted the work or lost a node — puts it in RESCHEDULING, planned again."""
 
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def advance(
     failed = sorted(r for r, t in tasks.items() if t.state is TaskState.FAILED)
     stopped = sorted(r for r, t in tasks.items() if t.state is TaskState.STOPPED)
     now = utcnow()
+    taken = _taken_by_site(session, settings, job, tasks)
+    if taken is not None:
+        return taken
     if failed or stopped:
         first = min(tasks[r].updated_at for r in failed + stopped)
         if settle_s and (now - first).total_seconds() < settle_s:
@@ -123,6 +127,39 @@ def advance(
     return JobState.RUNNING if job.state is JobState.RUNNING else None
 
 
+#: A site engine ended these ranks and said why: judged at once (no settling time — the
+#: cause is known, not a peer's loss seen from afar). Preemption and a lost node are
+#: losses of infrastructure (planned again, not a restart); a cancel at the site is the
+#: job's failure, for its recovery policy.
+_INFRASTRUCTURE = (TaskState.PREEMPTED, TaskState.NODE_LOST)
+_SITE_ENDED = (*_INFRASTRUCTURE, TaskState.CANCELLED)
+
+
+def _taken_by_site(
+    session: Session, settings: ControlSettings, job: Job, tasks: dict[int, Task]
+) -> JobState | None:
+    """RESCHEDULING or the recovery policy's word if a site engine ended a rank."""
+    ended = sorted(r for r, t in tasks.items() if t.state in _SITE_ENDED)
+    if not ended:
+        return None
+    # A preemption or a lost node first: the cancels beside it may be its consequences.
+    rank = next((r for r in ended if tasks[r].state in _INFRASTRUCTURE), ended[0])
+    task = tasks[rank]
+    said = task.message or task.state.value
+    reason = f"rank {rank} ({task.site}): the site ended it: {said}"
+    if task.state in _INFRASTRUCTURE:
+        recovery.reschedule(session, settings, job, reason)
+        return JobState.RESCHEDULING
+    failure = {
+        "rank": rank,
+        "site": task.site,
+        "exit_code": task.exit_code,
+        "message": task.message,
+        "last_lines": last_lines(session, job.id, rank),
+    }
+    return recovery.worker_failed(session, settings, job, failure, reason)
+
+
 def _stuck(job: Job, tasks: dict[int, Task], now: datetime) -> int | None:
     """The first running rank of a RUNNING job that has not moved on for too long."""
     if job.state is not JobState.RUNNING:
@@ -167,7 +204,7 @@ def live_tasks(session: Session, job: Job) -> int:
             select(Task.rank).where(
                 Task.job_id == job.id,
                 Task.epoch == job.epoch,
-                Task.state.in_((TaskState.STARTING, TaskState.RUNNING)),
+                Task.state.in_((TaskState.PENDING, TaskState.STARTING, TaskState.RUNNING)),
                 tuple_(Task.site, Task.agent_id).not_in(lost),
             )
         ).all()

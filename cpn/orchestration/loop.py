@@ -4,7 +4,8 @@ One asyncio task on the control plane's event loop; every tick runs in one worke
 (planning and database work never block the gRPC server). A tick:
 
 1. applies the ranks' reports to active jobs (lifecycle.advance): RUNNING, SUCCEEDED,
-   FAILED; an active job whose agent was lost fails;
+   FAILED or a restart by the job's recovery policy; an active job that lost GPUs (their
+   agent lost, or a node its site no longer offers) goes RESCHEDULING;
 2. sends launch orders for SCHEDULED jobs not launched by this process yet (after a
    restart that is every SCHEDULED job: agents ignore a launch for a job already running);
 3. for ended jobs that still hold GPUs: sends stop orders to their agents (once per
@@ -206,7 +207,10 @@ class Orchestrator:
             lost = lifecycle.lost_gpus(session, [j.id for j in jobs])
             for job in jobs:
                 if job.id in lost:
-                    why = f"the agent of {lost[job.id]} was lost (lease expired)"
+                    why = (
+                        f"{lost[job.id]} was lost (its agent's lease expired, or the site "
+                        "no longer offers that node)"
+                    )
                     recovery.reschedule(session, self.settings, job, why)
                     changed = True
                 elif lifecycle.advance(session, job, self.settings, self._settle_s) in (

@@ -108,7 +108,25 @@ class TaskState(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
-    STOPPED = "stopped"
+    STOPPED = "stopped"  # by a stop order, or because another worker failed
+    # From a site engine (Slurm, Kubernetes): who ended the work.
+    PENDING = "pending"  # queued by the engine, not started yet
+    CANCELLED = "cancelled"  # cancelled at the site, not by cpn
+    PREEMPTED = "preempted"  # the engine took the nodes back: a loss of infrastructure
+    NODE_LOST = "node_lost"  # a node of the launch failed: a loss of infrastructure
+
+
+#: A rank in one of these has ended: nothing follows for its epoch.
+FINAL_TASK_STATES = frozenset(
+    {
+        TaskState.SUCCEEDED,
+        TaskState.FAILED,
+        TaskState.STOPPED,
+        TaskState.CANCELLED,
+        TaskState.PREEMPTED,
+        TaskState.NODE_LOST,
+    }
+)
 
 
 def _enum(cls: type[StrEnum]) -> Enum:

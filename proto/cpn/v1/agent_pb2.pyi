@@ -142,6 +142,18 @@ class _TaskStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskState.V
     """exited non-zero, or could not start"""
     TASK_STATE_STOPPED: _TaskState.ValueType  # 5
     """ended by a stop order"""
+    TASK_STATE_PENDING: _TaskState.ValueType  # 6
+    """The states below come from a site engine (Slurm, Kubernetes) and say who ended the
+    work: the control plane judges them at once, without waiting to see whether a lost
+    peer site was the cause, and counts them apart (docs/sites.md).
+    queued by the site's engine, not started yet (not final)
+    """
+    TASK_STATE_CANCELLED: _TaskState.ValueType  # 7
+    """cancelled at the site, not by cpn (an operator's scancel)"""
+    TASK_STATE_PREEMPTED: _TaskState.ValueType  # 8
+    """the engine took the resources back for other work"""
+    TASK_STATE_NODE_LOST: _TaskState.ValueType  # 9
+    """a node of the launch failed or went down"""
 
 class TaskState(_TaskState, metaclass=_TaskStateEnumTypeWrapper):
     """---------------------------------------------------------------------------- task status"""
@@ -157,6 +169,18 @@ TASK_STATE_FAILED: TaskState.ValueType  # 4
 """exited non-zero, or could not start"""
 TASK_STATE_STOPPED: TaskState.ValueType  # 5
 """ended by a stop order"""
+TASK_STATE_PENDING: TaskState.ValueType  # 6
+"""The states below come from a site engine (Slurm, Kubernetes) and say who ended the
+work: the control plane judges them at once, without waiting to see whether a lost
+peer site was the cause, and counts them apart (docs/sites.md).
+queued by the site's engine, not started yet (not final)
+"""
+TASK_STATE_CANCELLED: TaskState.ValueType  # 7
+"""cancelled at the site, not by cpn (an operator's scancel)"""
+TASK_STATE_PREEMPTED: TaskState.ValueType  # 8
+"""the engine took the resources back for other work"""
+TASK_STATE_NODE_LOST: TaskState.ValueType  # 9
+"""a node of the launch failed or went down"""
 Global___TaskState: _TypeAlias = TaskState  # noqa: Y015
 
 @_typing.final
