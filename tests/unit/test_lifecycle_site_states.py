@@ -1,0 +1,141 @@
+"""A job's ranks ended by their site's engine (Slurm, Kubernetes), on SQLite and PostgreSQL:
+judged at once — no settling time, the site said who ended them — and by the cause: a
+preemption or a lost node is a loss of infrastructure (RESCHEDULING, not a restart), a
+cancel at the site goes to the job's recovery policy; the workers' failures beside them
+(their peers vanished) never decide. A rank the engine still queues is not an end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from cpn.contracts import JobSpec
+from cpn.control.settings import ControlSettings
+from cpn.orchestration import JobService, Principal, lifecycle
+from cpn.orchestration.tenants import create_key
+from cpn.registry import Registry
+from cpn.registry.models import Job, JobState, Role, Task, TaskState, Tenant
+from tests.service_harness import tiny_job
+
+#: Long enough that a test would notice a judgement that waited for it.
+SETTLE_S = 3600.0
+
+
+def _running_job(registry: Registry, **spec: Any) -> str:
+    """A RUNNING job of 4 ranks (dp 2 × pp 2) in epoch 1, as the loop leaves it."""
+    with registry.write() as s:
+        create_key(s, "t")
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "t"))
+    assert tenant_id is not None
+    settings = ControlSettings(database_url=registry.url)
+    service = JobService(registry, settings)
+    job_spec = JobSpec.model_validate(tiny_job("site-ended", **spec))
+    job_id = service.submit(Principal(tenant_id, "t", Role.USER), job_spec)[0].job.id
+    with registry.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.state, job.epoch = JobState.RUNNING, 1
+        job.plan = {"parallel": {"dp": 2, "tp": 1, "pp": 2}}
+    return job_id
+
+
+def _judge(registry: Registry, job_id: str, ranks: dict[int, tuple[TaskState, str]]) -> Job:
+    """Ranks 0 and 1 at site b, 2 and 3 at site a, in the given states; one advance."""
+    with registry.write() as s:
+        for rank, (state, message) in ranks.items():
+            s.add(
+                Task(
+                    job_id=job_id, rank=rank, epoch=1, site="b" if rank < 2 else "a",
+                    agent_id="x", state=state, message=message, exit_code=1,
+                )
+            )  # fmt: skip
+        s.flush()
+        job = s.get(Job, job_id)
+        assert job is not None
+        settings = ControlSettings(database_url=registry.url)
+        lifecycle.advance(s, job, settings, SETTLE_S)
+    with registry.read() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        s.expunge(job)
+        return job
+
+
+PEERS_FAILED = (TaskState.FAILED, "exited with 1: the collective's peer closed the connection")
+
+
+@pytest.mark.parametrize("lost", [TaskState.PREEMPTED, TaskState.NODE_LOST])
+def test_a_preemption_or_a_lost_node_is_planned_again_at_once(
+    registry: Registry, lost: TaskState
+) -> None:
+    job_id = _running_job(registry)
+    said = f"{lost.name}: Slurm job 7 {lost.name}"
+    job = _judge(
+        registry,
+        job_id,
+        {0: (lost, said), 1: (lost, said), 2: PEERS_FAILED, 3: PEERS_FAILED},
+    )
+    assert job.state is JobState.RESCHEDULING
+    assert job.state_reason.startswith(f"rank 0 (b): the site ended it: {said}; epoch 1 fenced")
+    assert (job.losses, job.restarts) == (1, 0)
+
+
+def test_a_loss_of_infrastructure_outweighs_a_cancel_beside_it(registry: Registry) -> None:
+    job_id = _running_job(registry)
+    job = _judge(
+        registry,
+        job_id,
+        {
+            0: (TaskState.CANCELLED, "CANCELLED: Slurm job 7 CANCELLED"),
+            1: (TaskState.NODE_LOST, "NODE_LOST: Slurm job 7 NODE_FAIL"),
+            2: PEERS_FAILED,
+        },
+    )
+    assert job.state is JobState.RESCHEDULING and "rank 1 (b)" in job.state_reason
+
+
+@pytest.mark.parametrize(
+    ("recovery", "expected", "restarts"),
+    [
+        ({}, JobState.FAILED, 0),
+        ({"max_restarts": 2, "on_worker_error": "restart"}, JobState.RESCHEDULING, 1),
+    ],
+)
+def test_a_cancel_at_the_site_goes_to_the_recovery_policy_at_once(
+    registry: Registry, recovery: dict[str, Any], expected: JobState, restarts: int
+) -> None:
+    job_id = _running_job(registry, recovery=recovery)
+    said = "CANCELLED: Slurm job 7 CANCELLED"
+    job = _judge(
+        registry,
+        job_id,
+        {2: PEERS_FAILED, 0: (TaskState.CANCELLED, said), 1: (TaskState.CANCELLED, said)},
+    )
+    assert job.state is expected
+    assert said in job.state_reason and job.state_reason.startswith("rank 0 (b)")
+    assert (job.losses, job.restarts) == (0, restarts)
+    if expected is JobState.FAILED:
+        assert job.failure is not None
+        assert (job.failure["rank"], job.failure["site"]) == (0, "b")
+
+
+def test_a_worker_failure_alone_still_waits_to_see_whether_a_site_was_lost(
+    registry: Registry,
+) -> None:
+    job_id = _running_job(registry)
+    job = _judge(registry, job_id, {2: PEERS_FAILED, 3: PEERS_FAILED})
+    assert job.state is JobState.RUNNING
+
+
+def test_ranks_the_engine_still_queues_are_live_and_not_an_end(registry: Registry) -> None:
+    job_id = _running_job(registry)
+    queued = (TaskState.PENDING, "PENDING: Slurm job 7 PENDING (Resources)")
+    running = (TaskState.RUNNING, "")
+    job = _judge(registry, job_id, {0: queued, 1: queued, 2: running, 3: running})
+    assert job.state is JobState.RUNNING
+    with registry.read() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        assert lifecycle.live_tasks(s, job) == 4
