@@ -325,6 +325,10 @@ class LaunchManager:
         elif order.checkpoint_store:
             argv += ["--checkpoint-store", order.checkpoint_store]
             argv += ["--checkpoint-every", str(order.checkpoint_every)]
+            # Every agent of the job alike (the ranks' agreement on a checkpoint step is
+            # one collective over all of them): SIGUSR2 to a launch asks for a checkpoint
+            # — Slurm's warning before a time limit, or an operator's `kill -USR2`.
+            argv.append("--checkpoint-on-usr2")
         if self.worker_command is None and order.resume_from:
             argv += ["--resume-from", order.resume_from]
         return argv

@@ -129,6 +129,8 @@ class SlurmOptions:
     #: Extra sbatch options, verbatim (a QOS, a reservation, constraints).
     extra_args: tuple[str, ...] = ()
     command_timeout_s: float = 30.0
+    #: Seconds before the time limit at which Slurm warns the workers (SIGUSR2).
+    signal_lead_s: int = 120
 
 
 @dataclass
@@ -285,6 +287,10 @@ class SlurmBackend:
             f"--nodelist={','.join(n.node for n in spec.nodes)}",
             "--ntasks-per-node=1",
             f"--time={max(1, math.ceil(spec.time_limit_s / 60))}",
+            # SIGUSR2 to the steps' processes this long before the time limit (Slurm may
+            # send it up to a minute early), and at preemption where the site has
+            # `PreemptParameters=send_user_signal`: the workers checkpoint on it.
+            f"--signal=USR2@{self.options.signal_lead_s}",
             "--no-requeue",
             f"--chdir={spec.run_dir}",
             f"--output={spec.run_dir}/slurm-%j.out",

@@ -64,6 +64,14 @@ ResumeFromOpt = Annotated[
         "be in another store and come from another layout.",
     ),
 ]
+RequestOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--checkpoint-request",
+        help="A file whose newer mtime asks for a checkpoint soon; SIGUSR2 touches it "
+        "(a site's warning before a time limit or a preemption).",
+    ),
+]
 StopOpt = Annotated[
     int | None,
     typer.Option("--stop-after", min=1, help="Stop at this step (default: train.steps)."),
@@ -112,6 +120,7 @@ def _options(
     sync_checkpoints: bool,
     metrics: Path | None = None,
     resume_from: str | None = None,
+    checkpoint_request: Path | None = None,
 ) -> TrainOptions:
     from cpn.errors import InputError  # noqa: PLC0415
     from cpn.train.pipeline import Schedule  # noqa: PLC0415
@@ -133,6 +142,7 @@ def _options(
         metrics_path=metrics,
         timeout_s=timeout,
         device=device,
+        checkpoint_request=checkpoint_request,
     )
 
 
@@ -179,6 +189,7 @@ def worker(
     timeout: TimeoutOpt = 300,
     device: DeviceOpt = None,
     sync_checkpoints: SyncCkptOpt = False,
+    checkpoint_request: RequestOpt = None,
 ) -> None:
     """Run one worker of a plan (launchers start one per GPU).
 
@@ -190,6 +201,7 @@ def worker(
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # noqa: PLC0415
 
     from cpn.comm import CommError  # noqa: PLC0415
+    from cpn.train.checkpoint_request import touch_on_signal  # noqa: PLC0415
     from cpn.train.launcher import MERGE_OUTPUT_ENV, PLAN_RANKS_ENV  # noqa: PLC0415
     from cpn.train.trainer import (  # noqa: PLC0415
         Trainer,
@@ -200,13 +212,15 @@ def worker(
 
     if os.environ.get(MERGE_OUTPUT_ENV) == "1":
         os.dup2(2, 1)  # print() and log lines in one file, in order
+    if checkpoint_request is not None:  # first: the site's warning must not end us
+        touch_on_signal(checkpoint_request)
     spec_plan, spec_job = _load(plan, job)
     world, _ = world_from_env()
     me = _plan_rank(rank)
     path = None if metrics is None else Path(metrics.replace("{rank}", str(me)))
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
-        device, sync_checkpoints, path, resume_from,
+        device, sync_checkpoints, path, resume_from, checkpoint_request,
     )  # fmt: skip
     # A worker of cpn's launcher: the launcher read the checkpoint against its checksums.
     start = check_launch(
@@ -272,6 +286,15 @@ def launch(
             "{plan}, {job}, {metrics}); the plan and job are then passed on unchecked.",
         ),
     ] = None,
+    checkpoint_on_usr2: Annotated[
+        bool,
+        typer.Option(
+            "--checkpoint-on-usr2",
+            help="SIGUSR2 (a site's warning before a time limit or a preemption) asks the "
+            "workers for a checkpoint at the next step they agree on, instead of ending "
+            "the launch (needs --checkpoint-store).",
+        ),
+    ] = False,
 ) -> None:
     """Run the workers of one node of a plan, with torch's elastic agent (site agents use
     this). Writes WORKDIR/result.json at the end: {"ok": true}, or every failed rank with
@@ -316,9 +339,16 @@ def launch(
         _run_and_report(custom, files.root / "result.json")
         return
     spec_plan, spec_job = _load(plan, job)
+    request = None
+    if checkpoint_on_usr2 and checkpoint_store is not None:
+        from cpn.train.checkpoint_request import touch_on_signal  # noqa: PLC0415
+
+        workdir.mkdir(parents=True, exist_ok=True)
+        request = RunFiles(workdir.resolve()).checkpoint_request
+        touch_on_signal(request)
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
-        device, sync_checkpoints, None, resume_from,
+        device, sync_checkpoints, None, resume_from, request,
     )  # fmt: skip
     world = spec_plan.parallel.world_size
     starts = [

@@ -90,6 +90,11 @@ class RunFiles:
     def log(self, rank: int) -> Path:
         return self.root / f"rank-{rank}.log"
 
+    @property
+    def checkpoint_request(self) -> Path:
+        """Touched to ask the node's workers for a checkpoint (checkpoint_request.py)."""
+        return self.root / "checkpoint-request"
+
     def stdout(self, rank: int) -> Path:
         return self.root / f"rank-{rank}.out"
 
@@ -218,6 +223,8 @@ def worker_argv(plan: Path, job: Path, opts: TrainOptions, metrics: str) -> list
         args += ["--stop-after", str(opts.stop_after)]
     if opts.device is not None:
         args += ["--device", opts.device]
+    if opts.checkpoint_request is not None:
+        args += ["--checkpoint-request", str(opts.checkpoint_request)]
     return args
 
 

@@ -36,10 +36,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from cpn.comm import Traffic, new_groups
+from cpn.comm.flag import StepFlag
 from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, WanCompression, layout_problem
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
 from cpn.train.checkpoint import CheckpointInfo, CheckpointStore, check_resumable, step_at
+from cpn.train.checkpoint_request import CheckpointRequest
 from cpn.train.data import BatchSource
 from cpn.train.data_parallel import DP_SYNCS, DataParallelSync, DpSync
 from cpn.train.layout import Layout
@@ -70,6 +72,9 @@ class TrainOptions:
     metrics_path: Path | None = None  # JSON lines per step; "-" for standard output
     timeout_s: float = 300.0  # how long a collective waits for a peer
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None: cuda:LOCAL_RANK if any, else cpu
+    #: A file whose newer mtime asks for a checkpoint soon (the site's warning before a
+    #: time limit or a preemption: cpn.train.checkpoint_request); None: no such requests.
+    checkpoint_request: Path | None = None
 
 
 def check_launch(
@@ -338,6 +343,7 @@ class Trainer:
         params = list(self.module.parameters())
         history: list[dict[str, Any]] = []
         every = self.opts.checkpoint_every
+        asked = self._asked()
         with self._metrics_sink() as sink:
             for step in range(start_step, end):
                 self.traffic.step = step
@@ -393,9 +399,17 @@ class Trainer:
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
-                if self.store is not None and ((every and done % every == 0) or done == end):
+                wanted = asked is not None and asked.now()
+                if self.store is not None and (
+                    (every and done % every == 0) or done == end or wanted
+                ):
                     if self.sync.at_outer_boundary:
                         self._checkpoint(done)
+                        if wanted:  # the site's end is near: written before going on
+                            assert asked is not None
+                            log.warning("step %d: checkpoint asked for by the site", done)
+                            self._finish_checkpoint()
+                            asked.done()
                     else:
                         # Between outer steps the sites hold different parameters: only
                         # an outer step's result is one model to save.
@@ -404,7 +418,17 @@ class Trainer:
                             "of compression.every)",
                             done,
                         )
+                if self._saving is not None and self._saving.done():
+                    self._finish_checkpoint()  # COMPLETE once written, not at the next save
+        if asked is not None:
+            asked.close()
         return history
+
+    def _asked(self) -> _SiteAsks | None:
+        path = self.opts.checkpoint_request
+        if path is None or self.store is None:
+            return None
+        return _SiteAsks(CheckpointRequest(path), StepFlag(self.device, self.traffic))
 
     @contextmanager
     def _metrics_sink(self) -> Iterator[IO[str] | None]:
@@ -416,6 +440,27 @@ class Trainer:
         else:
             with path.open("a") as sink:
                 yield sink
+
+
+@dataclass
+class _SiteAsks:
+    """Whether the site asked for a checkpoint, agreed by every rank: a request seen by
+    any rank in step s is agreed in step s + 1 (the flag's exchange overlaps a step) and
+    wanted until a checkpoint is written — at the next outer step under `wan: outer`."""
+
+    request: CheckpointRequest
+    flag: StepFlag
+    pending: bool = False
+
+    def now(self) -> bool:
+        self.pending = self.flag.exchange(self.request.raised()) or self.pending
+        return self.pending
+
+    def done(self) -> None:
+        self.pending = False
+
+    def close(self) -> None:
+        self.flag.close()
 
 
 def world_from_env() -> tuple[int, int | None]:

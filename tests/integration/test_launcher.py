@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.runtime import tiny_job, write_run
+from tests.processes import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -125,3 +126,46 @@ def test_no_worker_outlives_cpn_train(tmp_path: Path, sig: signal.Signals) -> No
     while _alive(list(workers.values())) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _alive(list(workers.values())) == [], "workers outlived cpn train"
+
+
+def _complete_steps(store: Path) -> list[int]:
+    return sorted(int(p.parent.name.removeprefix("step-")) for p in store.glob("step-*/COMPLETE"))
+
+
+def test_sigusr2_asks_for_a_checkpoint_and_the_launch_goes_on(tmp_path: Path) -> None:
+    """A site's warning (Slurm's `--signal=USR2@N`) reaches the launcher, or a worker
+    itself: either way every rank checkpoints at one step they agree on, and training
+    goes on to the end (SIGUSR2's default action would have ended the launch)."""
+    steps = 600
+    job_path, plan_path, _ = write_run(tmp_path, "warned", tiny_job(2, 1, 1, steps=steps))
+    store, run = tmp_path / "store", tmp_path / "run"
+    launch = subprocess.Popen(
+        [
+            sys.executable, "-m", "cpn", "launch", "--plan", str(plan_path),
+            "--job", str(job_path), "--ranks", "0,1", "--nnodes", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--workdir", str(run),
+            "--checkpoint-store", str(store), "--checkpoint-on-usr2",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+
+        def trained() -> bool:
+            assert launch.poll() is None, launch.communicate()
+            metrics = list(run.glob("rank-*.metrics.jsonl"))
+            return len(metrics) == 2 and all(p.stat().st_size > 0 for p in metrics)
+
+        wait_until(trained, 120, "both workers to train a step")
+        launch.send_signal(signal.SIGUSR2)  # to the launcher: it tells its workers
+        wait_until(lambda: _complete_steps(store), 60, "a checkpoint on the launcher's USR2")
+        (first,) = _complete_steps(store)
+        workers = {r: pid for pid in _children(launch.pid) if (r := _plan_rank(pid)) is not None}
+        os.kill(workers[1], signal.SIGUSR2)  # to one worker alone: the ranks agree
+        wait_until(lambda: len(_complete_steps(store)) == 2, 60, "a checkpoint on a worker's")
+        _, err = launch.communicate(timeout=180)
+    finally:
+        launch.kill()
+    assert launch.returncode == 0, err
+    done = _complete_steps(store)
+    assert len(done) == 3 and done[0] == first and done[-1] == steps, done
+    assert 0 < first < done[1] < steps
