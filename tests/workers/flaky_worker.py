@@ -1,7 +1,7 @@
 """`cpn worker` with a failure a test asks for, by the job's name: plan rank 1 of a job
-named `flaky-*` exits with 3 on its first launch only (a marker in the run directory
-remembers it), of `doomed-*` on every launch, and of `stuck-*` hangs without finishing a
-step; everything else, and every other rank, is the real `cpn worker`.
+named `flaky-*` exits with 3 on its first launch only (a marker beside the agents' run
+directories remembers it), of `doomed-*` on every launch, and of `stuck-*` hangs without
+finishing a step; everything else, and every other rank, is the real `cpn worker`.
 
 Started by an agent as `--worker-command "{python} flaky_worker.py {plan} {job} {metrics}"`.
 """
@@ -21,7 +21,11 @@ from agents.status import plan_rank
 def main() -> int:
     plan, job, metrics = sys.argv[1:4]
     name = str(yaml.safe_load(Path(job).read_text())["name"])
-    marker = Path(os.environ["CPN_RUN_DIR"]) / "failed-once"
+    # One marker per job for every site: a restart may be planned on the other site,
+    # whose agent's run directory (work-SITE/JOB/...) is another one.
+    run = Path(os.environ["CPN_RUN_DIR"]).parts
+    at = next(i for i, part in enumerate(run) if part.startswith("work-"))
+    marker = Path(*run[:at]) / f"failed-once-{run[at + 1]}"
     if plan_rank() == 1:
         if name.startswith("doomed") or (name.startswith("flaky") and not marker.exists()):
             marker.write_text("1\n")
