@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
+import numpy.typing as npt
+from ortools.graph.python import max_flow
 
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.patterns.classes import site_classes
@@ -53,6 +55,7 @@ class TimeBound:
     crossing: float  # the least time of placements with one (B); inf if pp = 1
     compute: float  # the least slowest compute per micro-batch any placement has
     sites_per_stage: float = 0.0  # (C): sync against crossings, by sites per stage
+    shared_sync: float = 0.0  # (S): the sync every placement pays, stages sharing slots
 
 
 def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
@@ -113,25 +116,30 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
 
     hosts_of = [tuple(i for i, s in enumerate(sites) if caps[(p, s)] > 0) for p in range(pp)]
     best_fabric = max(fabric.values())
-    wan_cache: dict[tuple[float, int, tuple[int, ...], tuple[int, ...], int], float] = {}
+    star_cache: dict[
+        tuple[float, int, tuple[int, ...], tuple[int, ...], int], npt.NDArray[np.float64]
+    ] = {}
 
-    def wan(p: int, k: int) -> float:
-        """Least slowest pair of any k sites of stage p that can hold its dp replicas.
+    def star(p: int, k: int) -> npt.NDArray[np.float64]:
+        """Per host of stage p (in `hosts_of[p]` order): the least slowest pair of any k
+        sites that include it and can hold the stage's dp replicas.
 
-        Any such set Σ holds some site a; a's k − 1 partners in Σ all cost at most the
-        phase, and with a they hold dp replicas: so the phase is at least, for the best a,
-        the least cost c such that a's partners costing ≤ c include k − 1 whose room with
-        a's is ≥ dp. The k − 1 roomiest of a prefix have room Σ_v (v − v⁻)·min(k − 1,
-        #partners with room ≥ v) over the distinct room values v (layer cake).
+        Such a set Σ ∋ a gives a k − 1 partners that all cost at most the phase and hold,
+        with a, dp replicas: so the phase is at least the least cost c such that a's
+        partners costing ≤ c include k − 1 whose room with a's is ≥ dp. The k − 1 roomiest
+        of a prefix have room Σ_v (v − v⁻)·min(k − 1, #partners with room ≥ v) over the
+        distinct room values v (layer cake). Pair costs take the cheaper direction (the
+        plan's ring order picks which one is paid).
         """
         hosts = hosts_of[p]
         volume, steps = w.dp_wan_per_leader(p, k), w.dp_wan_steps(k)
         room_of = tuple(caps[(p, sites[i])] for i in hosts)
         key = (volume, steps, hosts, room_of, k)
-        if key in wan_cache:
-            return wan_cache[key]
+        if key in star_cache:
+            return star_cache[key]
         idx = np.ix_(hosts, hosts)
         cost = steps * per_msg[idx] + volume * per_byte[idx]
+        cost = np.minimum(cost, cost.T)
         np.fill_diagonal(cost, np.inf)
         room = np.array(room_of)
         order = np.argsort(cost, axis=1, kind="stable")
@@ -144,10 +152,15 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         top = (steps_v[None, None, :] * np.minimum(k - 1, at_least)).sum(axis=2)
         enough = (top >= (dp - room)[:, None]) & (np.arange(len(hosts)) >= k - 2)[None, :]
         enough &= np.isfinite(ranked)
-        first = np.where(enough.any(axis=1), enough.argmax(axis=1), -1)
-        values_a = [ranked[a, j] for a, j in enumerate(first) if j >= 0]
-        wan_cache[key] = float(min(values_a)) if values_a else math.inf
-        return wan_cache[key]
+        first = enough.argmax(axis=1)
+        ecc = np.where(enough.any(axis=1), ranked[np.arange(len(hosts)), first], np.inf)
+        star_cache[key] = ecc
+        return ecc
+
+    def wan(p: int, k: int) -> float:
+        """Least slowest pair of any k sites of stage p that can hold its dp replicas."""
+        ecc = star(p, k)
+        return float(ecc.min()) if ecc.size else math.inf
 
     def sync(p: int, k: int) -> float:
         """Least sync of stage p over exactly k sites."""
@@ -171,6 +184,8 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         kmin.append(k)
     kmax = [min(dp, sum(1 for s in sites if caps[(p, s)] > 0)) for p in range(pp)]
 
+    shared, _ = _shared_sync_floor(inst, star, sync, hosts_of, kmin, kmax, caps)
+
     # (A) whole replicas per site: K sites hold every stage.
     classes = site_classes(inst)
     whole = []
@@ -191,7 +206,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
             hop = w.hop_seconds(None, math.ceil(dp / k), best_fabric) if pp > 1 else 0.0
             with_hop = [c + (hop if p < pp - 1 else 0.0) for p, c in enumerate(per_stage)]
             slot = max(joint, *with_hop)
-            total = (m + pp - 1) * slot + max(sync(p, k) for p in range(pp))
+            total = (m + pp - 1) * slot + max(shared, *(sync(p, k) for p in range(pp)))
             best_a = min(best_a, total)
 
     # (B) some replica crosses the WAN at some boundary.
@@ -202,9 +217,12 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         crossing_slot = min(per_stage[q] + cheapest_hop for q in range(pp - 1))
         slot = max(joint, crossing_slot)
         least_sync = max(min(sync(p, k) for k in range(kmin[p], kmax[p] + 1)) for p in range(pp))
+        least_sync = max(least_sync, shared)
         best_b = (m + pp - 1) * slot + least_sync
 
-    best_c, best_bc = _sites_per_stage_bound(inst, sync, kmin, kmax, joint, per_stage, caps, fabric)
+    best_c, best_bc = _sites_per_stage_bound(
+        inst, sync, kmin, kmax, joint, per_stage, caps, fabric, shared
+    )
     best_b = max(best_b, best_bc)  # both hold when some replica crosses
 
     bound = max(min(best_a, best_b), best_c)
@@ -216,6 +234,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         crossing=best_b,
         compute=joint,
         sites_per_stage=best_c,
+        shared_sync=shared,
     )
 
 
@@ -228,6 +247,7 @@ def _sites_per_stage_bound(
     per_stage: list[float],
     caps: dict[tuple[int, str], int],
     fabric: dict[str, float],
+    shared: float = 0.0,
 ) -> tuple[float, float]:
     """(C) The trade between few sites per stage (cheap sync) and crossings (slow hops).
 
@@ -302,6 +322,71 @@ def _sites_per_stage_bound(
         least = [float(hops[p][np.ix_(allowed[p], allowed[p + 1])].min()) for p in range(pp - 1)]
         slot = max(joint, *(per_stage[p] + least[p] for p in range(pp - 1)))
         crossing = min(per_stage[q] + max(least[q], one_hop) for q in range(pp - 1))
-        best = min(best, (m + pp - 1) * slot + d)
-        best_crossing = min(best_crossing, (m + pp - 1) * max(slot, crossing) + d)
+        sync_floor = max(d, shared)  # D ≥ d and D ≥ the shared floor
+        best = min(best, (m + pp - 1) * slot + sync_floor)
+        best_crossing = min(best_crossing, (m + pp - 1) * max(slot, crossing) + sync_floor)
     return best, best_crossing
+
+
+def _shared_sync_floor(
+    inst: Instance,
+    star: Callable[[int, int], npt.NDArray[np.float64]],
+    sync: Callable[[int, int], float],
+    hosts_of: list[tuple[int, ...]],
+    kmin: list[int],
+    kmax: list[int],
+    caps: dict[tuple[int, str], int],
+) -> tuple[float, npt.NDArray[np.float64]]:
+    """(S) A floor on the exposed sync D of every placement, with the stages sharing slots.
+
+    The per-stage parts bound each stage's sync as if it had every site to itself. But a
+    site's slots serve all stages: in a placement with D = d, every site s holding stage
+    p lies in p's set of k_p sites, whose slowest pair costs at most d − (in-site phase);
+    so s has k_p − 1 partners that cheap that hold, with s, dp replicas — `star(p, k)`
+    gives the least such cost for each site. Call s *eligible* for p at d when some k has
+    sync's in-site part + star(p, k)[s] ≤ d (k = 1: the site holds all dp alone). Every
+    shard then sits on a node group of a site eligible for its stage, so a max-flow
+    (stage → node groups that fit it at eligible sites → group slots) carries all dp·pp
+    shards. The least d at which it does is a floor on D; it is one of the eligibility
+    values, found by binary search (eligibility only grows with d).
+
+    Returns the floor and the eligibility values `eligible_at[p, i]` (inf: never).
+    """
+    w = inst.workload
+    dp, pp = inst.dp, inst.pp
+    n = len(inst.sites)
+    site_index = {s: i for i, s in enumerate(inst.sites)}
+    eligible_at = np.full((pp, n), np.inf)  # least d at which site i is eligible for p
+    for p in range(pp):
+        hosts = np.array(hosts_of[p], dtype=np.int64)
+        in_site = sync(p, 1)  # with one site, the sync is its in-site phase alone
+        for k in range(kmin[p], kmax[p] + 1):
+            if k == 1:
+                whole = [i for i in hosts_of[p] if caps[(p, inst.sites[i])] >= dp]
+                eligible_at[p, whole] = np.minimum(eligible_at[p, whole], in_site)
+                continue
+            at = (in_site if k < dp else 0.0) + star(p, k)  # the parts `sync` adds up
+            eligible_at[p, hosts] = np.minimum(eligible_at[p, hosts], at)
+    values = np.unique(eligible_at[np.isfinite(eligible_at)])
+    groups = [g for g in inst.groups if g.slots > 0]
+
+    def carries_all(d: float) -> bool:
+        flow = max_flow.SimpleMaxFlow()
+        source, sink = pp + len(groups), pp + len(groups) + 1
+        for p in range(pp):
+            flow.add_arc_with_capacity(source, p, dp)
+        for j, g in enumerate(groups):
+            flow.add_arc_with_capacity(pp + j, sink, g.slots)
+            for p in range(pp):
+                if inst.fits[p][g.index] and eligible_at[p, site_index[g.site]] <= d:
+                    flow.add_arc_with_capacity(p, pp + j, g.slots)
+        return bool(flow.solve(source, sink) == flow.OPTIMAL and flow.optimal_flow() == dp * pp)
+
+    lo, hi, best = 0, len(values) - 1, 0.0  # nothing carries: no claim
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if carries_all(float(values[mid])):
+            best, hi = float(values[mid]), mid - 1
+        else:
+            lo = mid + 1
+    return best, eligible_at
