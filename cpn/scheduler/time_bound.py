@@ -116,6 +116,30 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
 
     hosts_of = [tuple(i for i, s in enumerate(sites) if caps[(p, s)] > 0) for p in range(pp)]
     best_fabric = max(fabric.values())
+    cost_cache: dict[
+        tuple[float, int, tuple[int, ...], tuple[int, ...], int],
+        tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]],
+    ] = {}
+
+    def star_key(p: int, k: int) -> tuple[float, int, tuple[int, ...], tuple[int, ...], int]:
+        hosts = hosts_of[p]
+        room_of = tuple(caps[(p, sites[i])] for i in hosts)
+        return (w.dp_wan_per_leader(p, k), w.dp_wan_steps(k), hosts, room_of, k)
+
+    def pair_cost(p: int, k: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        """(WAN phase of each pair of stage p's hosts if the stage spans k sites, their
+        rooms). A pair costs its cheaper direction: the plan's ring order picks which one
+        is paid. The diagonal is inf."""
+        key = star_key(p, k)
+        if key not in cost_cache:
+            volume, steps, hosts, room_of, _ = key
+            idx = np.ix_(hosts, hosts)
+            cost = steps * per_msg[idx] + volume * per_byte[idx]
+            cost = np.minimum(cost, cost.T)
+            np.fill_diagonal(cost, np.inf)
+            cost_cache[key] = (cost, np.array(room_of, dtype=np.int64))
+        return cost_cache[key]
+
     star_cache: dict[
         tuple[float, int, tuple[int, ...], tuple[int, ...], int], npt.NDArray[np.float64]
     ] = {}
@@ -128,20 +152,12 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         with a, dp replicas: so the phase is at least the least cost c such that a's
         partners costing ≤ c include k − 1 whose room with a's is ≥ dp. The k − 1 roomiest
         of a prefix have room Σ_v (v − v⁻)·min(k − 1, #partners with room ≥ v) over the
-        distinct room values v (layer cake). Pair costs take the cheaper direction (the
-        plan's ring order picks which one is paid).
+        distinct room values v (layer cake).
         """
-        hosts = hosts_of[p]
-        volume, steps = w.dp_wan_per_leader(p, k), w.dp_wan_steps(k)
-        room_of = tuple(caps[(p, sites[i])] for i in hosts)
-        key = (volume, steps, hosts, room_of, k)
+        key = star_key(p, k)
         if key in star_cache:
             return star_cache[key]
-        idx = np.ix_(hosts, hosts)
-        cost = steps * per_msg[idx] + volume * per_byte[idx]
-        cost = np.minimum(cost, cost.T)
-        np.fill_diagonal(cost, np.inf)
-        room = np.array(room_of)
+        cost, room = pair_cost(p, k)
         order = np.argsort(cost, axis=1, kind="stable")
         ranked = np.take_along_axis(cost, order, axis=1)  # partners, cheapest first
         partner_room = room[order]
@@ -150,10 +166,10 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         # at_least[a, j, v]: partners among a's j + 1 cheapest with room ≥ values[v].
         at_least = np.cumsum(partner_room[:, :, None] >= values[None, None, :], axis=1)
         top = (steps_v[None, None, :] * np.minimum(k - 1, at_least)).sum(axis=2)
-        enough = (top >= (dp - room)[:, None]) & (np.arange(len(hosts)) >= k - 2)[None, :]
+        enough = (top >= (dp - room)[:, None]) & (np.arange(len(room)) >= k - 2)[None, :]
         enough &= np.isfinite(ranked)
         first = enough.argmax(axis=1)
-        ecc = np.where(enough.any(axis=1), ranked[np.arange(len(hosts)), first], np.inf)
+        ecc = np.where(enough.any(axis=1), ranked[np.arange(len(room)), first], np.inf)
         star_cache[key] = ecc
         return ecc
 
@@ -184,7 +200,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         kmin.append(k)
     kmax = [min(dp, sum(1 for s in sites if caps[(p, s)] > 0)) for p in range(pp)]
 
-    shared, _ = _shared_sync_floor(inst, star, sync, hosts_of, kmin, kmax, caps)
+    shared = _shared_sync_floor(inst, star, pair_cost, sync, hosts_of, kmin, kmax, caps)
 
     # (A) whole replicas per site: K sites hold every stage.
     classes = site_classes(inst)
@@ -331,46 +347,81 @@ def _sites_per_stage_bound(
 def _shared_sync_floor(
     inst: Instance,
     star: Callable[[int, int], npt.NDArray[np.float64]],
+    pair_cost: Callable[[int, int], tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]],
     sync: Callable[[int, int], float],
     hosts_of: list[tuple[int, ...]],
     kmin: list[int],
     kmax: list[int],
     caps: dict[tuple[int, str], int],
-) -> tuple[float, npt.NDArray[np.float64]]:
+) -> float:
     """(S) A floor on the exposed sync D of every placement, with the stages sharing slots.
 
     The per-stage parts bound each stage's sync as if it had every site to itself. But a
-    site's slots serve all stages: in a placement with D = d, every site s holding stage
-    p lies in p's set of k_p sites, whose slowest pair costs at most d − (in-site phase);
-    so s has k_p − 1 partners that cheap that hold, with s, dp replicas — `star(p, k)`
-    gives the least such cost for each site. Call s *eligible* for p at d when some k has
-    sync's in-site part + star(p, k)[s] ≤ d (k = 1: the site holds all dp alone). Every
-    shard then sits on a node group of a site eligible for its stage, so a max-flow
-    (stage → node groups that fit it at eligible sites → group slots) carries all dp·pp
-    shards. The least d at which it does is a floor on D; it is one of the eligibility
-    values, found by binary search (eligibility only grows with d).
-
-    Returns the floor and the eligibility values `eligible_at[p, i]` (inf: never).
+    site's slots serve all stages. In a placement with D ≤ d, stage p spans a set Σ of
+    k sites whose slowest pair costs at most c = d − (its in-site phase, as in `sync`):
+    Σ is a clique of the graph G_c of the pairs costing ≤ c, and holds dp replicas. So
+    every member of Σ has k − 1 neighbours in G_c that are members too, and its room
+    with theirs is ≥ dp. Peeling G_c — dropping, until none is left to drop, every site
+    without k − 1 remaining neighbours whose k − 1 roomiest hold, with it, dp — never
+    drops a member of Σ (by induction: its partners are never dropped either). Call the
+    survivors, over every k, *eligible* for p at d (k = 1: the site holds all dp alone;
+    `star(p, k)` is the first round of the peeling, computed once). Every shard then
+    sits on a node group of a site eligible for its stage, so a max-flow (stage → node
+    groups that fit it at eligible sites → group slots) carries all dp·pp shards. The
+    least d at which it does is a floor on D. Eligibility only grows with d, so binary
+    search over the first-round values (the floor's candidates: a placement's D is at
+    least each of its sites' first-round value for its stage) finds it.
     """
-    w = inst.workload
     dp, pp = inst.dp, inst.pp
     n = len(inst.sites)
     site_index = {s: i for i, s in enumerate(inst.sites)}
-    eligible_at = np.full((pp, n), np.inf)  # least d at which site i is eligible for p
+    # in_site[p][k] + star(p, k): the least d at which a host survives the first round.
+    first = np.full((pp, n), np.inf)
+    rounds: list[list[tuple[int, float, npt.NDArray[np.float64]]]] = []
     for p in range(pp):
         hosts = np.array(hosts_of[p], dtype=np.int64)
         in_site = sync(p, 1)  # with one site, the sync is its in-site phase alone
+        mine = []
         for k in range(kmin[p], kmax[p] + 1):
             if k == 1:
                 whole = [i for i in hosts_of[p] if caps[(p, inst.sites[i])] >= dp]
-                eligible_at[p, whole] = np.minimum(eligible_at[p, whole], in_site)
+                first[p, whole] = np.minimum(first[p, whole], in_site)
                 continue
-            at = (in_site if k < dp else 0.0) + star(p, k)  # the parts `sync` adds up
-            eligible_at[p, hosts] = np.minimum(eligible_at[p, hosts], at)
-    values = np.unique(eligible_at[np.isfinite(eligible_at)])
+            extra = in_site if k < dp else 0.0  # the in-site part `sync` adds
+            at = extra + star(p, k)
+            first[p, hosts] = np.minimum(first[p, hosts], at)
+            if np.isfinite(at).any():
+                mine.append((k, extra, at))
+        rounds.append(mine)
+    values = np.unique(first[np.isfinite(first)])
     groups = [g for g in inst.groups if g.slots > 0]
 
+    def eligible(d: float) -> npt.NDArray[np.bool_]:
+        out = np.zeros((pp, n), dtype=bool)
+        for p in range(pp):
+            hosts = np.array(hosts_of[p], dtype=np.int64)
+            whole = [i for i in hosts_of[p] if caps[(p, inst.sites[i])] >= dp]
+            if whole and sync(p, 1) <= d:
+                out[p, whole] = True
+            for k, extra, at in rounds[p]:
+                alive = at <= d
+                if not alive.any():
+                    continue
+                cost, room = pair_cost(p, k)
+                near = cost <= d - extra
+                while True:
+                    linked = near & alive[None, :] & alive[:, None]
+                    rooms = np.sort(np.where(linked, room[None, :], 0), axis=1)[:, ::-1]
+                    keep = alive & (linked.sum(axis=1) >= k - 1)
+                    keep &= rooms[:, : k - 1].sum(axis=1) + room >= dp
+                    if (keep == alive).all():
+                        break
+                    alive = keep
+                out[p, hosts[alive]] = True
+        return out
+
     def carries_all(d: float) -> bool:
+        ok = eligible(d)
         flow = max_flow.SimpleMaxFlow()
         source, sink = pp + len(groups), pp + len(groups) + 1
         for p in range(pp):
@@ -378,7 +429,7 @@ def _shared_sync_floor(
         for j, g in enumerate(groups):
             flow.add_arc_with_capacity(pp + j, sink, g.slots)
             for p in range(pp):
-                if inst.fits[p][g.index] and eligible_at[p, site_index[g.site]] <= d:
+                if inst.fits[p][g.index] and ok[p, site_index[g.site]]:
                     flow.add_arc_with_capacity(p, pp + j, g.slots)
         return bool(flow.solve(source, sink) == flow.OPTIMAL and flow.optimal_flow() == dp * pp)
 
@@ -389,4 +440,4 @@ def _shared_sync_floor(
             best, hi = float(values[mid]), mid - 1
         else:
             lo = mid + 1
-    return best, eligible_at
+    return best
