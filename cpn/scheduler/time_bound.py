@@ -395,6 +395,7 @@ def _shared_sync_floor(
         rounds.append(mine)
     values = np.unique(first[np.isfinite(first)])
     groups = [g for g in inst.groups if g.slots > 0]
+    uniform = [len({caps[(p, inst.sites[i])] for i in hosts_of[p]}) <= 1 for p in range(pp)]
 
     def eligible(d: float) -> npt.NDArray[np.bool_]:
         out = np.zeros((pp, n), dtype=bool)
@@ -411,17 +412,21 @@ def _shared_sync_floor(
                 near = cost <= d - extra
                 while True:
                     linked = near & alive[None, :] & alive[:, None]
-                    rooms = np.sort(np.where(linked, room[None, :], 0), axis=1)[:, ::-1]
                     keep = alive & (linked.sum(axis=1) >= k - 1)
-                    keep &= rooms[:, : k - 1].sum(axis=1) + room >= dp
+                    # With equal rooms, k ≥ kmin sites hold dp; otherwise the k − 1
+                    # roomiest linked partners, with the site, must.
+                    if not uniform[p]:
+                        rooms = np.where(linked, room[None, :], 0)
+                        top = np.partition(rooms, len(room) - (k - 1), axis=1)
+                        keep &= top[:, len(room) - (k - 1) :].sum(axis=1) + room >= dp
                     if (keep == alive).all():
                         break
                     alive = keep
                 out[p, hosts[alive]] = True
         return out
 
-    def carries_all(d: float) -> bool:
-        ok = eligible(d)
+    def carries_all(d: float, peel: bool) -> bool:
+        ok = eligible(d) if peel else first <= d
         flow = max_flow.SimpleMaxFlow()
         source, sink = pp + len(groups), pp + len(groups) + 1
         for p in range(pp):
@@ -433,11 +438,15 @@ def _shared_sync_floor(
                     flow.add_arc_with_capacity(p, pp + j, g.slots)
         return bool(flow.solve(source, sink) == flow.OPTIMAL and flow.optimal_flow() == dp * pp)
 
-    lo, hi, best = 0, len(values) - 1, 0.0  # nothing carries: no claim
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if carries_all(float(values[mid])):
-            best, hi = float(values[mid]), mid - 1
-        else:
-            lo = mid + 1
+    best = 0.0  # nothing carries: no claim
+    start = 0
+    for peel in (False, True):  # the first round alone is cheap and bounds the peeled d
+        lo, hi = start, len(values) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if carries_all(float(values[mid]), peel):
+                best, hi = float(values[mid]), mid - 1
+            else:
+                lo = mid + 1
+        start = lo
     return best
