@@ -69,7 +69,7 @@ def test_every_part_of_the_time_bound_is_below_the_optimum(case: tuple[Topology,
     assert 0 < bound.seconds <= optimum
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_cases())
 def test_shared_sync_floor_is_below_every_placements_sync(case: tuple[Topology, JobSpec]) -> None:
     # The floor on the exposed sync holds for *every* placement, so it holds for the one
