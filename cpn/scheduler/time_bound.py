@@ -344,6 +344,38 @@ def _sites_per_stage_bound(
     return best, best_crossing
 
 
+def peel(
+    near: npt.NDArray[np.bool_],
+    room: npt.NDArray[np.int64],
+    alive: npt.NDArray[np.bool_],
+    k: int,
+    need: int,
+    equal_rooms: bool = False,
+) -> npt.NDArray[np.bool_]:
+    """The sites of `alive` that may belong to k sites, pairwise `near`, holding `need`.
+
+    Drops, until none is dropped, every site without k − 1 surviving `near` partners
+    whose k − 1 roomiest hold, with it, `need`. A member of such a set always keeps its
+    k − 1 fellow members (never dropped, by induction), so it is never dropped.
+    `equal_rooms`: every room is the same and k of them hold `need` (the caller's k ≥
+    kmin), so only the partner count is checked.
+    """
+    n = len(room)
+    while True:
+        linked = near & alive[None, :] & alive[:, None]
+        np.fill_diagonal(linked, False)
+        keep: npt.NDArray[np.bool_] = alive & (linked.sum(axis=1) >= k - 1)
+        if not equal_rooms and k >= 2:
+            rooms = np.where(linked, room[None, :], 0)
+            top = np.partition(rooms, n - (k - 1), axis=1)[:, n - (k - 1) :]
+            keep &= top.sum(axis=1) + room >= need
+        elif not equal_rooms:
+            keep &= room >= need
+        if (keep == alive).all():
+            return keep
+        alive = keep
+
+
 def _shared_sync_floor(
     inst: Instance,
     star: Callable[[int, int], npt.NDArray[np.float64]],
@@ -405,28 +437,18 @@ def _shared_sync_floor(
             if whole and sync(p, 1) <= d:
                 out[p, whole] = True
             for k, extra, at in rounds[p]:
+                if out[p, hosts].all():
+                    break  # every host is eligible already
                 alive = at <= d
                 if not alive.any():
                     continue
                 cost, room = pair_cost(p, k)
-                near = cost <= d - extra
-                while True:
-                    linked = near & alive[None, :] & alive[:, None]
-                    keep = alive & (linked.sum(axis=1) >= k - 1)
-                    # With equal rooms, k ≥ kmin sites hold dp; otherwise the k − 1
-                    # roomiest linked partners, with the site, must.
-                    if not uniform[p]:
-                        rooms = np.where(linked, room[None, :], 0)
-                        top = np.partition(rooms, len(room) - (k - 1), axis=1)
-                        keep &= top[:, len(room) - (k - 1) :].sum(axis=1) + room >= dp
-                    if (keep == alive).all():
-                        break
-                    alive = keep
+                alive = peel(cost <= d - extra, room, alive, k, dp, uniform[p])
                 out[p, hosts[alive]] = True
         return out
 
-    def carries_all(d: float, peel: bool) -> bool:
-        ok = eligible(d) if peel else first <= d
+    def carries_all(d: float, peeled: bool) -> bool:
+        ok = eligible(d) if peeled else first <= d
         flow = max_flow.SimpleMaxFlow()
         source, sink = pp + len(groups), pp + len(groups) + 1
         for p in range(pp):
@@ -440,11 +462,11 @@ def _shared_sync_floor(
 
     best = 0.0  # nothing carries: no claim
     start = 0
-    for peel in (False, True):  # the first round alone is cheap and bounds the peeled d
+    for peeled in (False, True):  # the first round alone is cheap and bounds the peeled d
         lo, hi = start, len(values) - 1
         while lo <= hi:
             mid = (lo + hi) // 2
-            if carries_all(float(values[mid]), peel):
+            if carries_all(float(values[mid]), peeled):
                 best, hi = float(values[mid]), mid - 1
             else:
                 lo = mid + 1
