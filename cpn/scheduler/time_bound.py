@@ -400,9 +400,10 @@ def _shared_sync_floor(
     `star(p, k)` is the first round of the peeling, computed once). Every shard then
     sits on a node group of a site eligible for its stage, so a max-flow (stage → node
     groups that fit it at eligible sites → group slots) carries all dp·pp shards. The
-    least d at which it does is a floor on D. Eligibility only grows with d, so binary
-    search over the first-round values (the floor's candidates: a placement's D is at
-    least each of its sites' first-round value for its stage) finds it.
+    least d at which it does is a floor on D. Eligibility only grows with d and changes
+    only at a pair's cost plus its in-site part, so a binary search over those values
+    finds it: first with the first round alone (cheap; its change points are the
+    `star` values), then, from that answer up, with the peeling.
     """
     dp, pp = inst.dp, inst.pp
     n = len(inst.sites)
@@ -460,15 +461,41 @@ def _shared_sync_floor(
                     flow.add_arc_with_capacity(p, pp + j, g.slots)
         return bool(flow.solve(source, sink) == flow.OPTIMAL and flow.optimal_flow() == dp * pp)
 
-    best = 0.0  # nothing carries: no claim
-    start = 0
-    for peeled in (False, True):  # the first round alone is cheap and bounds the peeled d
-        lo, hi = start, len(values) - 1
+    def least_carrying(
+        points: npt.NDArray[np.float64], peeled: bool, gallop: bool = False
+    ) -> float | None:
+        """The least of the sorted `points` at which the flow carries all (None: none).
+
+        `gallop`: the answer is expected near the start, so brackets 1, 2, 4, … first.
+        """
+        lo, hi, found = 0, len(points) - 1, None
+        if gallop:
+            step = 1
+            while lo + step - 1 < hi and not carries_all(float(points[lo + step - 1]), peeled):
+                lo, step = lo + step, step * 2
+            hi = min(hi, lo + step - 1)
         while lo <= hi:
             mid = (lo + hi) // 2
-            if carries_all(float(values[mid]), peeled):
-                best, hi = float(values[mid]), mid - 1
+            if carries_all(float(points[mid]), peeled):
+                found, hi = float(points[mid]), mid - 1
             else:
                 lo = mid + 1
-        start = lo
+        return found
+
+    # The first round changes only at the `first` values and the peeling only at some
+    # pair's cost plus its in-site part: searching each among its own change points keeps
+    # the answer a floor (a placement with D is carried at the last change point ≤ D).
+    # First-round eligibility contains the peeled one, so its answer starts the second.
+    best = least_carrying(values, peeled=False)
+    if best is None:
+        return 0.0  # nothing carries: no claim
+    changes = [values]
+    for p in range(pp):
+        for k, extra, _ in rounds[p]:
+            cost, _ = pair_cost(p, k)
+            changes.append(extra + np.unique(cost[np.isfinite(cost)]))
+    points = np.unique(np.concatenate(changes))
+    peeled_best = least_carrying(points[points >= best], peeled=True, gallop=True)
+    if peeled_best is not None:
+        best = peeled_best
     return best
