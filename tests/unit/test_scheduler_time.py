@@ -17,9 +17,10 @@ from cpn.scheduler import Objective
 from cpn.scheduler.bruteforce import brute_force
 from cpn.scheduler.instance import Instance, build_instance
 from cpn.scheduler.realize import Counts, complete_flows, counts_of, evaluate_shards, realize
-from cpn.scheduler.solve import objective_key
+from cpn.scheduler.solve import _starting_points, objective_key
 from cpn.scheduler.time_bound import iteration_time_bound, peel
 from cpn.scheduler.time_flows import balanced_flows
+from cpn.synthetic import benchmark_job, generate_topology
 from tests.factories import job, link, site, topology
 from tests.scheduler_cases import tiny_cases
 
@@ -139,3 +140,32 @@ def test_peeling_keeps_every_member_of_every_close_roomy_set(data: st.DataObject
     assert all(kept[i] for i in members)
     if not members:  # nothing to keep: peeling need not find that, but say how often
         event(f"peeled to nothing: {not kept.any()}")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from([(6, 96), (8, 128), (12, 128)]),
+    st.booleans(),
+    st.sampled_from(["none", "topk"]),
+    st.integers(0, 1000),
+)
+def test_the_bound_is_below_every_constructed_plan_on_generated_networks(
+    size: tuple[int, int], heterogeneous: bool, compression: str, seed: int
+) -> None:
+    # Beyond what enumeration reaches: sparse generated networks with multi-hop routes,
+    # where the peeling matters. Every plan the heuristics build (tight clusters, blocks,
+    # whole replicas, with their fastest flows) must sit above the floor and the bound.
+    sites, gpus = size
+    topo = generate_topology(sites, gpus, heterogeneous=heterogeneous, seed=seed)
+    inst = build_instance(topo, Workload.of(benchmark_job(gpus, compression=compression)))
+    bound = iteration_time_bound(inst)
+    plans = [
+        evaluate_shards(inst, realize(inst, c))
+        for c in _starting_points(inst, Objective.ITERATION_TIME)
+    ]
+    assert plans
+    least = min(ev.dp_sync for ev in plans)
+    event(f"floor reaches the least sync of the plans: {bound.shared_sync >= least * (1 - 1e-9)}")
+    for ev in plans:
+        assert bound.shared_sync <= ev.dp_sync * (1 + 1e-9)
+        assert bound.seconds <= ev.iteration_seconds
