@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
+import numpy.typing as npt
+from ortools.graph.python import max_flow
 
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.patterns.classes import site_classes
@@ -53,6 +55,7 @@ class TimeBound:
     crossing: float  # the least time of placements with one (B); inf if pp = 1
     compute: float  # the least slowest compute per micro-batch any placement has
     sites_per_stage: float = 0.0  # (C): sync against crossings, by sites per stage
+    shared_sync: float = 0.0  # (S): the sync every placement pays, stages sharing slots
 
 
 def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
@@ -113,27 +116,48 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
 
     hosts_of = [tuple(i for i, s in enumerate(sites) if caps[(p, s)] > 0) for p in range(pp)]
     best_fabric = max(fabric.values())
-    wan_cache: dict[tuple[float, int, tuple[int, ...], tuple[int, ...], int], float] = {}
+    cost_cache: dict[
+        tuple[float, int, tuple[int, ...], tuple[int, ...], int],
+        tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]],
+    ] = {}
 
-    def wan(p: int, k: int) -> float:
-        """Least slowest pair of any k sites of stage p that can hold its dp replicas.
-
-        Any such set Σ holds some site a; a's k − 1 partners in Σ all cost at most the
-        phase, and with a they hold dp replicas: so the phase is at least, for the best a,
-        the least cost c such that a's partners costing ≤ c include k − 1 whose room with
-        a's is ≥ dp. The k − 1 roomiest of a prefix have room Σ_v (v − v⁻)·min(k − 1,
-        #partners with room ≥ v) over the distinct room values v (layer cake).
-        """
+    def star_key(p: int, k: int) -> tuple[float, int, tuple[int, ...], tuple[int, ...], int]:
         hosts = hosts_of[p]
-        volume, steps = w.dp_wan_per_leader(p, k), w.dp_wan_steps(k)
         room_of = tuple(caps[(p, sites[i])] for i in hosts)
-        key = (volume, steps, hosts, room_of, k)
-        if key in wan_cache:
-            return wan_cache[key]
-        idx = np.ix_(hosts, hosts)
-        cost = steps * per_msg[idx] + volume * per_byte[idx]
-        np.fill_diagonal(cost, np.inf)
-        room = np.array(room_of)
+        return (w.dp_wan_per_leader(p, k), w.dp_wan_steps(k), hosts, room_of, k)
+
+    def pair_cost(p: int, k: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        """(WAN phase of each pair of stage p's hosts if the stage spans k sites, their
+        rooms). A pair costs its cheaper direction: the plan's ring order picks which one
+        is paid. The diagonal is inf."""
+        key = star_key(p, k)
+        if key not in cost_cache:
+            volume, steps, hosts, room_of, _ = key
+            idx = np.ix_(hosts, hosts)
+            cost = steps * per_msg[idx] + volume * per_byte[idx]
+            cost = np.minimum(cost, cost.T)
+            np.fill_diagonal(cost, np.inf)
+            cost_cache[key] = (cost, np.array(room_of, dtype=np.int64))
+        return cost_cache[key]
+
+    star_cache: dict[
+        tuple[float, int, tuple[int, ...], tuple[int, ...], int], npt.NDArray[np.float64]
+    ] = {}
+
+    def star(p: int, k: int) -> npt.NDArray[np.float64]:
+        """Per host of stage p (in `hosts_of[p]` order): the least slowest pair of any k
+        sites that include it and can hold the stage's dp replicas.
+
+        Such a set Σ ∋ a gives a k − 1 partners that all cost at most the phase and hold,
+        with a, dp replicas: so the phase is at least the least cost c such that a's
+        partners costing ≤ c include k − 1 whose room with a's is ≥ dp. The k − 1 roomiest
+        of a prefix have room Σ_v (v − v⁻)·min(k − 1, #partners with room ≥ v) over the
+        distinct room values v (layer cake).
+        """
+        key = star_key(p, k)
+        if key in star_cache:
+            return star_cache[key]
+        cost, room = pair_cost(p, k)
         order = np.argsort(cost, axis=1, kind="stable")
         ranked = np.take_along_axis(cost, order, axis=1)  # partners, cheapest first
         partner_room = room[order]
@@ -142,12 +166,17 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         # at_least[a, j, v]: partners among a's j + 1 cheapest with room ≥ values[v].
         at_least = np.cumsum(partner_room[:, :, None] >= values[None, None, :], axis=1)
         top = (steps_v[None, None, :] * np.minimum(k - 1, at_least)).sum(axis=2)
-        enough = (top >= (dp - room)[:, None]) & (np.arange(len(hosts)) >= k - 2)[None, :]
+        enough = (top >= (dp - room)[:, None]) & (np.arange(len(room)) >= k - 2)[None, :]
         enough &= np.isfinite(ranked)
-        first = np.where(enough.any(axis=1), enough.argmax(axis=1), -1)
-        values_a = [ranked[a, j] for a, j in enumerate(first) if j >= 0]
-        wan_cache[key] = float(min(values_a)) if values_a else math.inf
-        return wan_cache[key]
+        first = enough.argmax(axis=1)
+        ecc = np.where(enough.any(axis=1), ranked[np.arange(len(room)), first], np.inf)
+        star_cache[key] = ecc
+        return ecc
+
+    def wan(p: int, k: int) -> float:
+        """Least slowest pair of any k sites of stage p that can hold its dp replicas."""
+        ecc = star(p, k)
+        return float(ecc.min()) if ecc.size else math.inf
 
     def sync(p: int, k: int) -> float:
         """Least sync of stage p over exactly k sites."""
@@ -171,6 +200,8 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         kmin.append(k)
     kmax = [min(dp, sum(1 for s in sites if caps[(p, s)] > 0)) for p in range(pp)]
 
+    shared = _shared_sync_floor(inst, star, pair_cost, sync, hosts_of, kmin, kmax, caps)
+
     # (A) whole replicas per site: K sites hold every stage.
     classes = site_classes(inst)
     whole = []
@@ -191,7 +222,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
             hop = w.hop_seconds(None, math.ceil(dp / k), best_fabric) if pp > 1 else 0.0
             with_hop = [c + (hop if p < pp - 1 else 0.0) for p, c in enumerate(per_stage)]
             slot = max(joint, *with_hop)
-            total = (m + pp - 1) * slot + max(sync(p, k) for p in range(pp))
+            total = (m + pp - 1) * slot + max(shared, *(sync(p, k) for p in range(pp)))
             best_a = min(best_a, total)
 
     # (B) some replica crosses the WAN at some boundary.
@@ -202,9 +233,12 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         crossing_slot = min(per_stage[q] + cheapest_hop for q in range(pp - 1))
         slot = max(joint, crossing_slot)
         least_sync = max(min(sync(p, k) for k in range(kmin[p], kmax[p] + 1)) for p in range(pp))
+        least_sync = max(least_sync, shared)
         best_b = (m + pp - 1) * slot + least_sync
 
-    best_c, best_bc = _sites_per_stage_bound(inst, sync, kmin, kmax, joint, per_stage, caps, fabric)
+    best_c, best_bc = _sites_per_stage_bound(
+        inst, sync, kmin, kmax, joint, per_stage, caps, fabric, shared
+    )
     best_b = max(best_b, best_bc)  # both hold when some replica crosses
 
     bound = max(min(best_a, best_b), best_c)
@@ -216,6 +250,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         crossing=best_b,
         compute=joint,
         sites_per_stage=best_c,
+        shared_sync=shared,
     )
 
 
@@ -228,6 +263,7 @@ def _sites_per_stage_bound(
     per_stage: list[float],
     caps: dict[tuple[int, str], int],
     fabric: dict[str, float],
+    shared: float = 0.0,
 ) -> tuple[float, float]:
     """(C) The trade between few sites per stage (cheap sync) and crossings (slow hops).
 
@@ -302,6 +338,164 @@ def _sites_per_stage_bound(
         least = [float(hops[p][np.ix_(allowed[p], allowed[p + 1])].min()) for p in range(pp - 1)]
         slot = max(joint, *(per_stage[p] + least[p] for p in range(pp - 1)))
         crossing = min(per_stage[q] + max(least[q], one_hop) for q in range(pp - 1))
-        best = min(best, (m + pp - 1) * slot + d)
-        best_crossing = min(best_crossing, (m + pp - 1) * max(slot, crossing) + d)
+        sync_floor = max(d, shared)  # D ≥ d and D ≥ the shared floor
+        best = min(best, (m + pp - 1) * slot + sync_floor)
+        best_crossing = min(best_crossing, (m + pp - 1) * max(slot, crossing) + sync_floor)
     return best, best_crossing
+
+
+def peel(
+    near: npt.NDArray[np.bool_],
+    room: npt.NDArray[np.int64],
+    alive: npt.NDArray[np.bool_],
+    k: int,
+    need: int,
+    equal_rooms: bool = False,
+) -> npt.NDArray[np.bool_]:
+    """The sites of `alive` that may belong to k sites, pairwise `near`, holding `need`.
+
+    Drops, until none is dropped, every site without k − 1 surviving `near` partners
+    whose k − 1 roomiest hold, with it, `need`. A member of such a set always keeps its
+    k − 1 fellow members (never dropped, by induction), so it is never dropped.
+    `equal_rooms`: every room is the same and k of them hold `need` (the caller's k ≥
+    kmin), so only the partner count is checked.
+    """
+    n = len(room)
+    while True:
+        linked = near & alive[None, :] & alive[:, None]
+        np.fill_diagonal(linked, False)
+        keep: npt.NDArray[np.bool_] = alive & (linked.sum(axis=1) >= k - 1)
+        if not equal_rooms and k >= 2:
+            rooms = np.where(linked, room[None, :], 0)
+            top = np.partition(rooms, n - (k - 1), axis=1)[:, n - (k - 1) :]
+            keep &= top.sum(axis=1) + room >= need
+        elif not equal_rooms:
+            keep &= room >= need
+        if (keep == alive).all():
+            return keep
+        alive = keep
+
+
+def _shared_sync_floor(
+    inst: Instance,
+    star: Callable[[int, int], npt.NDArray[np.float64]],
+    pair_cost: Callable[[int, int], tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]],
+    sync: Callable[[int, int], float],
+    hosts_of: list[tuple[int, ...]],
+    kmin: list[int],
+    kmax: list[int],
+    caps: dict[tuple[int, str], int],
+) -> float:
+    """(S) A floor on the exposed sync D of every placement, with the stages sharing slots.
+
+    The per-stage parts bound each stage's sync as if it had every site to itself. But a
+    site's slots serve all stages. In a placement with D ≤ d, stage p spans a set Σ of
+    k sites whose slowest pair costs at most c = d − (its in-site phase, as in `sync`):
+    Σ is a clique of the graph G_c of the pairs costing ≤ c, and holds dp replicas. So
+    every member of Σ has k − 1 neighbours in G_c that are members too, and its room
+    with theirs is ≥ dp. Peeling G_c — dropping, until none is left to drop, every site
+    without k − 1 remaining neighbours whose k − 1 roomiest hold, with it, dp — never
+    drops a member of Σ (by induction: its partners are never dropped either). Call the
+    survivors, over every k, *eligible* for p at d (k = 1: the site holds all dp alone;
+    `star(p, k)` is the first round of the peeling, computed once). Every shard then
+    sits on a node group of a site eligible for its stage, so a max-flow (stage → node
+    groups that fit it at eligible sites → group slots) carries all dp·pp shards. The
+    least d at which it does is a floor on D. Eligibility only grows with d and changes
+    only at a pair's cost plus its in-site part, so a binary search over those values
+    finds it: first with the first round alone (cheap; its change points are the
+    `star` values), then, from that answer up, with the peeling.
+    """
+    dp, pp = inst.dp, inst.pp
+    n = len(inst.sites)
+    site_index = {s: i for i, s in enumerate(inst.sites)}
+    # in_site[p][k] + star(p, k): the least d at which a host survives the first round.
+    first = np.full((pp, n), np.inf)
+    rounds: list[list[tuple[int, float, npt.NDArray[np.float64]]]] = []
+    for p in range(pp):
+        hosts = np.array(hosts_of[p], dtype=np.int64)
+        in_site = sync(p, 1)  # with one site, the sync is its in-site phase alone
+        mine = []
+        for k in range(kmin[p], kmax[p] + 1):
+            if k == 1:
+                whole = [i for i in hosts_of[p] if caps[(p, inst.sites[i])] >= dp]
+                first[p, whole] = np.minimum(first[p, whole], in_site)
+                continue
+            extra = in_site if k < dp else 0.0  # the in-site part `sync` adds
+            at = extra + star(p, k)
+            first[p, hosts] = np.minimum(first[p, hosts], at)
+            if np.isfinite(at).any():
+                mine.append((k, extra, at))
+        rounds.append(mine)
+    values = np.unique(first[np.isfinite(first)])
+    groups = [g for g in inst.groups if g.slots > 0]
+    uniform = [len({caps[(p, inst.sites[i])] for i in hosts_of[p]}) <= 1 for p in range(pp)]
+
+    def eligible(d: float) -> npt.NDArray[np.bool_]:
+        out = np.zeros((pp, n), dtype=bool)
+        for p in range(pp):
+            hosts = np.array(hosts_of[p], dtype=np.int64)
+            whole = [i for i in hosts_of[p] if caps[(p, inst.sites[i])] >= dp]
+            if whole and sync(p, 1) <= d:
+                out[p, whole] = True
+            for k, extra, at in rounds[p]:
+                if out[p, hosts].all():
+                    break  # every host is eligible already
+                alive = at <= d
+                if not alive.any():
+                    continue
+                cost, room = pair_cost(p, k)
+                alive = peel(cost <= d - extra, room, alive, k, dp, uniform[p])
+                out[p, hosts[alive]] = True
+        return out
+
+    def carries_all(d: float, peeled: bool) -> bool:
+        ok = eligible(d) if peeled else first <= d
+        flow = max_flow.SimpleMaxFlow()
+        source, sink = pp + len(groups), pp + len(groups) + 1
+        for p in range(pp):
+            flow.add_arc_with_capacity(source, p, dp)
+        for j, g in enumerate(groups):
+            flow.add_arc_with_capacity(pp + j, sink, g.slots)
+            for p in range(pp):
+                if inst.fits[p][g.index] and ok[p, site_index[g.site]]:
+                    flow.add_arc_with_capacity(p, pp + j, g.slots)
+        return bool(flow.solve(source, sink) == flow.OPTIMAL and flow.optimal_flow() == dp * pp)
+
+    def least_carrying(
+        points: npt.NDArray[np.float64], peeled: bool, gallop: bool = False
+    ) -> float | None:
+        """The least of the sorted `points` at which the flow carries all (None: none).
+
+        `gallop`: the answer is expected near the start, so brackets 1, 2, 4, … first.
+        """
+        lo, hi, found = 0, len(points) - 1, None
+        if gallop:
+            step = 1
+            while lo + step - 1 < hi and not carries_all(float(points[lo + step - 1]), peeled):
+                lo, step = lo + step, step * 2
+            hi = min(hi, lo + step - 1)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if carries_all(float(points[mid]), peeled):
+                found, hi = float(points[mid]), mid - 1
+            else:
+                lo = mid + 1
+        return found
+
+    # The first round changes only at the `first` values and the peeling only at some
+    # pair's cost plus its in-site part: searching each among its own change points keeps
+    # the answer a floor (a placement with D is carried at the last change point ≤ D).
+    # First-round eligibility contains the peeled one, so its answer starts the second.
+    best = least_carrying(values, peeled=False)
+    if best is None:
+        return 0.0  # nothing carries: no claim
+    changes = [values]
+    for p in range(pp):
+        for k, extra, _ in rounds[p]:
+            cost, _ = pair_cost(p, k)
+            changes.append(extra + np.unique(cost[np.isfinite(cost)]))
+    points = np.unique(np.concatenate(changes))
+    peeled_best = least_carrying(points[points >= best], peeled=True, gallop=True)
+    if peeled_best is not None:
+        best = peeled_best
+    return best
