@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 from sqlalchemy import and_, case, delete, or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from cpn.contracts import JobSpec, Plan
@@ -366,7 +367,14 @@ class Orchestrator:
                 break
             tried.add(job_id)
             started = time.perf_counter()
-            outcome = try_admit(self.registry, self.settings, job_id)
+            try:
+                outcome = try_admit(self.registry, self.settings, job_id)
+            except SQLAlchemyError:
+                raise  # the database: the whole tick is tried again
+            except Exception as exc:  # a bug planning this job must not wedge the queue
+                log.exception("job %s: planning failed unexpectedly", job_id)
+                self._fail_unplannable(job_id, exc)
+                continue
             self.metrics.admission_seconds.observe(time.perf_counter() - started)
             if isinstance(outcome, Admitted):
                 self.metrics.scheduling_latency.observe(outcome.seconds_waited)
@@ -378,6 +386,23 @@ class Orchestrator:
             self._blocked = job_id
             break
         self._queue_behind(job_id, f"queued behind job {job_id} ({name}, priority {priority})")
+
+    def _fail_unplannable(self, job_id: str, exc: Exception) -> None:
+        """FAILED with the error's first line: planning it raised what no input should
+        (a bug), and trying it again on every tick would keep every job behind it waiting
+        for ever."""
+        first = (str(exc).splitlines() or [""])[0][:200]
+        with self.registry.write() as session:
+            job = session.get(Job, job_id, with_for_update=True)
+            if job is None or job.state not in ADMITTABLE:
+                return
+            states.transition(
+                session,
+                job,
+                JobState.FAILED,
+                f"cpn could not plan it: internal error ({type(exc).__name__}: {first}); "
+                "the control plane's log has the details",
+            )
 
     def _queue_head(self, tried: set[str]) -> tuple[str, str, str, int] | None:
         """The first pending job in queue order (priority, then age) not tried this tick:

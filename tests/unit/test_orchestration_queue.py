@@ -4,12 +4,14 @@ every newcomer — only when a job comes ahead of the head or capacity changes."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from sqlalchemy import select
 
 from cpn.contracts import JobSpec
 from cpn.control.settings import ControlSettings
-from cpn.orchestration import JobService, Principal, loop
+from cpn.orchestration import JobService, Principal, admission, loop
 from cpn.orchestration.loop import Orchestrator
 from cpn.orchestration.tenants import create_key
 from cpn.registry import Registry
@@ -84,3 +86,38 @@ def test_a_blocked_queue_is_planned_again_only_when_something_changes(
         assert _state(registry, urgent)[0] is JobState.SCHEDULED
         assert _state(registry, second)[0] is JobState.PENDING
         assert _state(registry, later[0])[1] == f"queued behind job {second} (second, priority 0)"
+
+
+def test_a_job_whose_planning_raises_unexpectedly_fails_and_the_queue_goes_on(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    register(registry, "a", nodes=(node("a0", gpus=4, memory_gb=16),), probe_address="10.0.0.1:1")
+    with registry.write() as s:
+        create_key(s, "t")
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "t"))
+    assert tenant_id is not None
+    principal = Principal(tenant_id, "t", Role.USER)
+    settings = ControlSettings(database_url=registry.url, plan_time_limit_s=2.0)
+    real = admission.plan_job
+
+    def plan_job(topology: Any, spec: JobSpec, *args: Any, **kwargs: Any) -> Any:
+        if spec.name == "cursed":  # a planner bug that only this job's input triggers
+            raise ZeroDivisionError("division by zero")
+        return real(topology, spec, *args, **kwargs)
+
+    monkeypatch.setattr(admission, "plan_job", plan_job)
+    with control_server(registry.url, migrate=False) as server:
+        orchestrator = Orchestrator(server.server, registry)
+        service = JobService(registry, settings, wake=orchestrator.wake)
+        jobs = [
+            service.submit(principal, JobSpec.model_validate(tiny_job(name, priority=p)))[0]
+            for name, p in (("cursed", 5), ("fine", 0))
+        ]
+        orchestrator.tick()  # no exception: the tick goes on past the cursed job
+        state, reason = _state(registry, jobs[0].job.id)
+        assert state is JobState.FAILED
+        assert reason == (
+            "cpn could not plan it: internal error (ZeroDivisionError: division by zero); "
+            "the control plane's log has the details"
+        )
+        assert _state(registry, jobs[1].job.id)[0] is JobState.SCHEDULED
