@@ -356,9 +356,9 @@ class Agent:
             ", ".join(sorted(before - after)) or "none",
             ", ".join(sorted(after - before)) or "none",
         )
-        self.inventory = inventory
-        if self.control.lease_id is not None:
+        if self.control.lease_id is not None:  # else the next connection registers it
             await self.control.register(inventory, self.probe_address)
+        self.inventory = inventory  # only once registered: a failed try is tried again
 
     async def _watch_capacity(self) -> None:
         """Every health interval, for a site engine: its capacity, registered again when
