@@ -136,6 +136,6 @@ def test_ranks_the_engine_still_queues_are_live_and_not_an_end(registry: Registr
     job = _judge(registry, job_id, {0: queued, 1: queued, 2: running, 3: running})
     assert job.state is JobState.RUNNING
     with registry.read() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        assert lifecycle.live_tasks(s, job) == 4
+        row = s.get(Job, job_id)
+        assert row is not None
+        assert lifecycle.live_tasks(s, row) == 4
