@@ -18,7 +18,10 @@ the final eval loss (rank 0, fixed held-out windows). Configurations:
     momentum correction), density warm-up over the first tenth of the steps;
   - `outer<H>-<values>`: outer-step sync (DiLoCo: in-site every step, pseudo-gradients
     every H steps, Nesterov outer SGD lr 0.7 / momentum 0.9) with values fp16, int8,
-    int4 or top-k (`topk1`: 1 %, `topk10`: 10 %).
+    int4 or top-k (`topk1`: 1 %, `topk10`: 10 %), any H;
+  - `outer<H>-<values>-avg`: the same with plain model averaging as the outer step
+    (outer lr 1, no momentum), which does better than DiLoCo's outer SGD in runs with
+    few outer steps (bench/README.md).
 
 The table gives per configuration the bytes, DDP ÷ bytes, the eval loss (mean and range
 over seeds) and its excess over DDP's in each seed (same seed); "≤ 2 %" says whether
@@ -32,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -67,6 +71,33 @@ from wan_sync import (
 
 from cpn.emulated_wan import EmulatedWan
 
+OUTER_VALUES = {
+    "fp16": ("fp16", 1.0),
+    "int8": ("int8", 1.0),
+    "int4": ("int4", 1.0),
+    "topk10": ("topk", 0.1),
+    "topk1": ("topk", 0.01),
+}
+OUTER_KEY = re.compile(r"outer(\d+)-(" + "|".join(OUTER_VALUES) + r")(-avg)?")
+
+
+def outer_config(key: str) -> SyncConfig | None:
+    """`outer<H>-<values>` (DiLoCo's outer SGD: lr 0.7, Nesterov momentum 0.9) or
+    `outer<H>-<values>-avg` (plain model averaging: outer lr 1, no momentum), any H ≥ 1;
+    None if `key` is not of that form."""
+    m = OUTER_KEY.fullmatch(key)
+    if m is None or int(m[1]) < 1:
+        return None
+    every, code, avg = int(m[1]), m[2], m[3] is not None
+    value, density = OUTER_VALUES[code]
+    name = f"outer H={every} {code.replace('topk', 'top-k ')}" + (
+        " %" if code.startswith("topk") else ""
+    )
+    if avg:
+        name += ", averaging"
+        return SyncConfig(key, name, "outer", density, every, value, 1.0, 0.0)
+    return SyncConfig(key, name, "outer", density, every, value)
+
 
 def _configs() -> list[SyncConfig]:
     out = [
@@ -81,24 +112,32 @@ def _configs() -> list[SyncConfig]:
         SyncConfig("topk1", "hierarchical top-k 1 %", "topk", 0.01),
         SyncConfig("topk01", "hierarchical top-k 0.1 %", "topk", 0.001),
     ]
-    values = {
-        "fp16": ("fp16", 1.0),
-        "int8": ("int8", 1.0),
-        "int4": ("int4", 1.0),
-        "topk10": ("topk", 0.1),
-        "topk1": ("topk", 0.01),
-    }
     for every in (8, 32, 128):
-        for key, (value, density) in values.items():
-            name = f"outer H={every} {key.replace('topk', 'top-k ')}" + (
-                " %" if key.startswith("topk") else ""
-            )
-            out.append(SyncConfig(f"outer{every}-{key}", name, "outer", density, every, value))
+        for key in OUTER_VALUES:
+            config = outer_config(f"outer{every}-{key}")
+            assert config is not None
+            out.append(config)
     return out
 
 
 CONFIGS = _configs()
-BY_KEY = {c.key: c for c in CONFIGS}
+
+
+class _Configs(dict[str, SyncConfig]):
+    """The named configurations, and any `outer<H>-<values>[-avg]` on demand."""
+
+    def __missing__(self, key: str) -> SyncConfig:
+        config = outer_config(key)
+        if config is None:
+            raise KeyError(key)
+        self[key] = config
+        return config
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or (isinstance(key, str) and outer_config(key) is not None)
+
+
+BY_KEY = _Configs({c.key: c for c in CONFIGS})
 DEFAULT_KEYS = (
     "ddp,dense,fp16,int8,int4,topk1,topk01,"
     "outer8-fp16,outer8-int4,outer32-fp16,outer32-int8,outer32-int4,outer32-topk10,"

@@ -80,6 +80,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cpn import wire
 from cpn.comm import OuterStep, WanSyncState, wan_sync_hook
+from cpn.comm.outer import OUTER_LR, OUTER_MOMENTUM
 from cpn.emulated_wan import EmulatedWan, available
 from cpn.train.data import BatchSource
 from cpn.train.model import GPTConfig, GPTStage
@@ -100,6 +101,8 @@ class SyncConfig:
     density: float = 1.0
     every: int = 0  # compression "outer": inner steps per outer step (H)
     values: str = "fp16"  # compression "outer": how pseudo-gradients cross the WAN
+    outer_lr: float = OUTER_LR  # compression "outer": the outer SGD (DiLoCo's 0.7 / 0.9;
+    outer_momentum: float = OUTER_MOMENTUM  # lr 1, momentum 0 is plain model averaging)
     overlap: bool = True  # the hook syncs buckets on a comm thread (False: blocking)
 
 
@@ -218,7 +221,13 @@ def worker(spec_path: Path) -> None:
     if cfg.compression == "outer":
         assert state is not None
         outer = OuterStep(
-            state, model.parameters(), every=cfg.every, values=cfg.values, density=cfg.density
+            state,
+            model.parameters(),
+            every=cfg.every,
+            values=cfg.values,
+            density=cfg.density,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
         )
     optimizer: torch.optim.Optimizer
     if sgd:
