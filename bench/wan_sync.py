@@ -353,6 +353,10 @@ class Run:
 RDZV_PORT = 29400
 
 
+#: Seconds a run waits for its ranks to exit after all of them reported.
+EXIT_GRACE_S = 20.0
+
+
 def launch(
     config: SyncConfig,
     setup: Setup,
@@ -391,6 +395,7 @@ def launch(
     # Generous: a rank that dies or hangs is reported, never waited on for ever.
     deadline = began + 120 + steps * 30
     done_steps = 0
+    reported_at: float | None = None
     try:
         for i, ranks in enumerate(groups):
             launch_spec = {
@@ -429,6 +434,13 @@ def launch(
             if failed:
                 raise RankFailed(_failure(workdir, config, failed[0]))
             if all(c == 0 for c in codes):
+                break
+            # Every rank wrote its report: what a run measures is complete. A rank that
+            # then hangs on its way out (seen in gloo's teardown) is ended after a grace.
+            reported = all((workdir / f"rank-{r}.json").exists() for r in range(len(sites)))
+            if reported and reported_at is None:
+                reported_at = time.monotonic()
+            if reported_at is not None and time.monotonic() - reported_at > EXIT_GRACE_S:
                 break
             if time.monotonic() > deadline:
                 raise RankFailed(
