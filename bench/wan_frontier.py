@@ -201,6 +201,7 @@ def run_all(
     report = Report(setup={**asdict(setup), "seeds": list(seeds), "load": [os.getloadavg()[0]]})
     tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-frontier-"))
     results: dict[tuple[str, int], tuple[float, float, float]] = {}
+    loads: list[float] = []  # load averages recorded with reused runs
     fingerprint = json.dumps(asdict(setup), sort_keys=True)
     if runs_file is not None and runs_file.exists():
         for line in runs_file.read_text().splitlines():
@@ -208,11 +209,14 @@ def run_all(
             if row["setup"] == fingerprint:
                 results[row["key"], row["seed"]] = tuple(row["result"])
                 report.setup["parameters"] = row["parameters"]
+                if row["key"] in keys and row["seed"] in seeds:
+                    loads.extend(row.get("load", []))
     jobs = [(BY_KEY[k], s) for s in seeds for k in keys if (k, s) not in results]
 
     def one(job: tuple[SyncConfig, int]) -> None:
         config, seed = job
         began = time.monotonic()
+        load_before = os.getloadavg()[0]
         run = launch(
             config,
             replace(setup, seed=seed),
@@ -231,6 +235,7 @@ def run_all(
         if runs_file is not None:
             row = {"setup": fingerprint, "key": config.key, "seed": seed, "result": result}
             row["parameters"] = run.ranks[0]["parameters"]
+            row["load"] = [load_before, os.getloadavg()[0]]
             with runs_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         log(f"{config.name}, seed {seed}: {result}")
@@ -269,6 +274,9 @@ def run_all(
         best = max(good, key=lambda p: p.ddp_over_this)
         report.best = {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
     report.setup["load"].append(os.getloadavg()[0])
+    if loads:  # runs reused from `runs_file`: the load while they ran, not (only) now
+        every = [*loads, *(report.setup["load"] if jobs else [])]
+        report.setup["load"] = [min(every), max(every)]
     return report
 
 
