@@ -18,7 +18,10 @@ the final eval loss (rank 0, fixed held-out windows). Configurations:
     momentum correction), density warm-up over the first tenth of the steps;
   - `outer<H>-<values>`: outer-step sync (DiLoCo: in-site every step, pseudo-gradients
     every H steps, Nesterov outer SGD lr 0.7 / momentum 0.9) with values fp16, int8,
-    int4 or top-k (`topk1`: 1 %, `topk10`: 10 %).
+    int4 or top-k (`topk1`: 1 %, `topk10`: 10 %), any H;
+  - `outer<H>-<values>-avg`: the same with plain model averaging as the outer step
+    (outer lr 1, no momentum), which does better than DiLoCo's outer SGD in runs with
+    few outer steps (bench/README.md).
 
 The table gives per configuration the bytes, DDP ÷ bytes, the eval loss (mean and range
 over seeds) and its excess over DDP's in each seed (same seed); "≤ 2 %" says whether
@@ -32,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -67,6 +71,33 @@ from wan_sync import (
 
 from cpn.emulated_wan import EmulatedWan
 
+OUTER_VALUES = {
+    "fp16": ("fp16", 1.0),
+    "int8": ("int8", 1.0),
+    "int4": ("int4", 1.0),
+    "topk10": ("topk", 0.1),
+    "topk1": ("topk", 0.01),
+}
+OUTER_KEY = re.compile(r"outer(\d+)-(" + "|".join(OUTER_VALUES) + r")(-avg)?")
+
+
+def outer_config(key: str) -> SyncConfig | None:
+    """`outer<H>-<values>` (DiLoCo's outer SGD: lr 0.7, Nesterov momentum 0.9) or
+    `outer<H>-<values>-avg` (plain model averaging: outer lr 1, no momentum), any H ≥ 1;
+    None if `key` is not of that form."""
+    m = OUTER_KEY.fullmatch(key)
+    if m is None or int(m[1]) < 1:
+        return None
+    every, code, avg = int(m[1]), m[2], m[3] is not None
+    value, density = OUTER_VALUES[code]
+    name = f"outer H={every} {code.replace('topk', 'top-k ')}" + (
+        " %" if code.startswith("topk") else ""
+    )
+    if avg:
+        name += ", averaging"
+        return SyncConfig(key, name, "outer", density, every, value, 1.0, 0.0)
+    return SyncConfig(key, name, "outer", density, every, value)
+
 
 def _configs() -> list[SyncConfig]:
     out = [
@@ -81,24 +112,32 @@ def _configs() -> list[SyncConfig]:
         SyncConfig("topk1", "hierarchical top-k 1 %", "topk", 0.01),
         SyncConfig("topk01", "hierarchical top-k 0.1 %", "topk", 0.001),
     ]
-    values = {
-        "fp16": ("fp16", 1.0),
-        "int8": ("int8", 1.0),
-        "int4": ("int4", 1.0),
-        "topk10": ("topk", 0.1),
-        "topk1": ("topk", 0.01),
-    }
     for every in (8, 32, 128):
-        for key, (value, density) in values.items():
-            name = f"outer H={every} {key.replace('topk', 'top-k ')}" + (
-                " %" if key.startswith("topk") else ""
-            )
-            out.append(SyncConfig(f"outer{every}-{key}", name, "outer", density, every, value))
+        for key in OUTER_VALUES:
+            config = outer_config(f"outer{every}-{key}")
+            assert config is not None
+            out.append(config)
     return out
 
 
 CONFIGS = _configs()
-BY_KEY = {c.key: c for c in CONFIGS}
+
+
+class _Configs(dict[str, SyncConfig]):
+    """The named configurations, and any `outer<H>-<values>[-avg]` on demand."""
+
+    def __missing__(self, key: str) -> SyncConfig:
+        config = outer_config(key)
+        if config is None:
+            raise KeyError(key)
+        self[key] = config
+        return config
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or (isinstance(key, str) and outer_config(key) is not None)
+
+
+BY_KEY = _Configs({c.key: c for c in CONFIGS})
 DEFAULT_KEYS = (
     "ddp,dense,fp16,int8,int4,topk1,topk01,"
     "outer8-fp16,outer8-int4,outer32-fp16,outer32-int8,outer32-int4,outer32-topk10,"
@@ -162,6 +201,7 @@ def run_all(
     report = Report(setup={**asdict(setup), "seeds": list(seeds), "load": [os.getloadavg()[0]]})
     tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-frontier-"))
     results: dict[tuple[str, int], tuple[float, float, float]] = {}
+    loads: list[float] = []  # load averages recorded with reused runs
     fingerprint = json.dumps(asdict(setup), sort_keys=True)
     if runs_file is not None and runs_file.exists():
         for line in runs_file.read_text().splitlines():
@@ -169,11 +209,14 @@ def run_all(
             if row["setup"] == fingerprint:
                 results[row["key"], row["seed"]] = tuple(row["result"])
                 report.setup["parameters"] = row["parameters"]
+                if row["key"] in keys and row["seed"] in seeds:
+                    loads.extend(row.get("load", []))
     jobs = [(BY_KEY[k], s) for s in seeds for k in keys if (k, s) not in results]
 
     def one(job: tuple[SyncConfig, int]) -> None:
         config, seed = job
         began = time.monotonic()
+        load_before = os.getloadavg()[0]
         run = launch(
             config,
             replace(setup, seed=seed),
@@ -192,6 +235,7 @@ def run_all(
         if runs_file is not None:
             row = {"setup": fingerprint, "key": config.key, "seed": seed, "result": result}
             row["parameters"] = run.ranks[0]["parameters"]
+            row["load"] = [load_before, os.getloadavg()[0]]
             with runs_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         log(f"{config.name}, seed {seed}: {result}")
@@ -230,6 +274,9 @@ def run_all(
         best = max(good, key=lambda p: p.ddp_over_this)
         report.best = {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
     report.setup["load"].append(os.getloadavg()[0])
+    if loads:  # runs reused from `runs_file`: the load while they ran, not (only) now
+        every = [*loads, *(report.setup["load"] if jobs else [])]
+        report.setup["load"] = [min(every), max(every)]
     return report
 
 

@@ -80,6 +80,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cpn import wire
 from cpn.comm import OuterStep, WanSyncState, wan_sync_hook
+from cpn.comm.outer import OUTER_LR, OUTER_MOMENTUM
 from cpn.emulated_wan import EmulatedWan, available
 from cpn.train.data import BatchSource
 from cpn.train.model import GPTConfig, GPTStage
@@ -100,6 +101,8 @@ class SyncConfig:
     density: float = 1.0
     every: int = 0  # compression "outer": inner steps per outer step (H)
     values: str = "fp16"  # compression "outer": how pseudo-gradients cross the WAN
+    outer_lr: float = OUTER_LR  # compression "outer": the outer SGD (DiLoCo's 0.7 / 0.9;
+    outer_momentum: float = OUTER_MOMENTUM  # lr 1, momentum 0 is plain model averaging)
     overlap: bool = True  # the hook syncs buckets on a comm thread (False: blocking)
 
 
@@ -218,7 +221,13 @@ def worker(spec_path: Path) -> None:
     if cfg.compression == "outer":
         assert state is not None
         outer = OuterStep(
-            state, model.parameters(), every=cfg.every, values=cfg.values, density=cfg.density
+            state,
+            model.parameters(),
+            every=cfg.every,
+            values=cfg.values,
+            density=cfg.density,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
         )
     optimizer: torch.optim.Optimizer
     if sgd:
@@ -344,6 +353,10 @@ class Run:
 RDZV_PORT = 29400
 
 
+#: Seconds a run waits for its ranks to exit after all of them reported.
+EXIT_GRACE_S = 20.0
+
+
 def launch(
     config: SyncConfig,
     setup: Setup,
@@ -382,6 +395,7 @@ def launch(
     # Generous: a rank that dies or hangs is reported, never waited on for ever.
     deadline = began + 120 + steps * 30
     done_steps = 0
+    reported_at: float | None = None
     try:
         for i, ranks in enumerate(groups):
             launch_spec = {
@@ -420,6 +434,13 @@ def launch(
             if failed:
                 raise RankFailed(_failure(workdir, config, failed[0]))
             if all(c == 0 for c in codes):
+                break
+            # Every rank wrote its report: what a run measures is complete. A rank that
+            # then hangs on its way out (seen in gloo's teardown) is ended after a grace.
+            reported = all((workdir / f"rank-{r}.json").exists() for r in range(len(sites)))
+            if reported and reported_at is None:
+                reported_at = time.monotonic()
+            if reported_at is not None and time.monotonic() - reported_at > EXIT_GRACE_S:
                 break
             if time.monotonic() > deadline:
                 raise RankFailed(

@@ -11,8 +11,10 @@ came, so the collectives, the byte counts and the results are those of the block
 
 A bucket whose average is not finite comes back as it is (an AMP GradScaler sees the inf
 and skips the step) and leaves the error-feedback state alone; `state.skipped_steps`
-counts such steps. A collective that fails fails the future, and DDP's backward raises
-its `CommError`.
+counts such steps. A collective that fails fails its future and every later bucket's of
+the step (without waiting for another timeout), and the step's last hook call raises the
+`CommError` itself, so DDP's backward raises it with its type (tested: a stalled and a dead
+peer during an overlapped exchange).
 """
 
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
@@ -40,17 +42,32 @@ def wan_sync_hook(state: WanSyncState, bucket: GradBucket) -> torch.futures.Futu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def work() -> None:
+        failed = state.hook_failure
+        if failed is not None:  # an earlier bucket of this step failed: no more waiting
+            fut.set_exception(failed)  # type: ignore[arg-type]
+            return
         try:
             averaged = sync_flat(state, buf, slots, sizes).to(buf.dtype)
             if last:
                 state.end_step()
-        except Exception as exc:  # DDP's backward raises it (torch types it oddly)
+        except Exception as exc:
+            state.hook_failure = exc
             fut.set_exception(exc)  # type: ignore[arg-type]
         else:
             fut.set_result(averaged)
 
     if state.overlap:
-        state.comm_thread().submit(work)
+        job = state.comm_thread().submit(work)
+        if not last:
+            return fut
+        # DDP buckets are handed over in order, so the last one's hook is the step's last
+        # call: nothing is left to overlap with, and waiting here lets the step's first
+        # error be raised as itself (DDP turns a failed future into a RuntimeError
+        # "Unable to cast …"; an exception raised by the hook keeps its type).
+        job.result()
     else:
         work()
+    failed, state.hook_failure = state.hook_failure, None
+    if failed is not None:
+        raise failed
     return fut

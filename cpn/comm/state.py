@@ -176,6 +176,9 @@ class WanSyncState:
         self.traffic = traffic if traffic is not None else Traffic()
         self.overlap = bool(overlap)
         self._comm_thread: ThreadPoolExecutor | None = None
+        #: The first error of the overlapped hook's exchanges this step: later buckets of
+        #: the step fail with it at once, and the step's last hook raises it.
+        self.hook_failure: Exception | None = None
         #: Error-feedback residual and DGC velocity per parameter slot (exchanging ranks).
         self.residuals: dict[int, torch.Tensor] = {}
         self.velocities: dict[int, torch.Tensor] = {}
