@@ -11,8 +11,9 @@ harness (tests/service_harness.py), keeps `--in-flight` small GPT jobs submitted
 layouts of 1–4 ranks, 12–30 steps, a checkpoint every 3 steps, `on_worker_error: restart`)
 and injects a fault every few seconds (tests/chaos.py says which and how): an agent
 killed and its site down for up to 3 s, one worker killed, or `cpn serve` killed and
-started again. After `--minutes` it stops injecting and submitting and waits for every
-job to end. Counted: jobs submitted, succeeded, lost (not succeeded; the goal is 0),
+started again. After `--minutes` (and at least `--min-agent-kills` 20 agent and
+`--min-control-kills` 5 control-plane kills; not with --quick) it stops injecting and
+submitting and waits for every job to end. Counted: jobs submitted, succeeded, lost (not succeeded; the goal is 0),
 restarts (user-code failures and infrastructure losses apart), succeeded jobs whose
 per-step series is not every step once, kills by kind, and time to recover (p50/max).
 Exit status 1 when a job was lost.
@@ -78,12 +79,26 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=10.0, help="minutes of faults (then drain)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2 minutes: a smoke run")
+    ap.add_argument(
+        "--min-agent-kills", type=int, default=20, help="go on after --minutes until this many"
+    )
+    ap.add_argument(
+        "--min-control-kills", type=int, default=5, help="go on after --minutes until this many"
+    )
     ap.add_argument("--in-flight", type=int, default=2, help="jobs kept submitted, not ended")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--keep", type=Path, help="run in this directory and keep every log")
     args = ap.parse_args()
     minutes = 2.0 if args.quick else args.minutes
-    config = replace(ChaosConfig(), seed=args.seed, seconds=minutes * 60, in_flight=args.in_flight)
+    config = replace(
+        ChaosConfig(),
+        seed=args.seed,
+        seconds=minutes * 60,
+        in_flight=args.in_flight,
+        min_kills=()
+        if args.quick
+        else (("agent", args.min_agent_kills), ("control", args.min_control_kills)),
+    )
     console = Console(stderr=True)
     before = _loadavg()
     with Progress(

@@ -46,18 +46,20 @@ SITES = {"a": 2, "b": 2, "c": 2}
 class ChaosConfig:
     seed: int = 0
     seconds: float = 60.0  # faults and submissions for this long, then drain
-    #: Seconds between faults (uniform in this range, after the previous one recovered
-    #: or `recover_wait_s` passed).
+    #: Seconds between faults (uniform in this range), and then until the faults before
+    #: are recovered from, for at most `recover_wait_s` more (faults may overlap).
     fault_every_s: tuple[float, float] = (4.0, 10.0)
-    weights: tuple[float, float, float] = (0.55, 0.25, 0.2)  # agent, worker, control
+    weights: tuple[float, float, float] = (0.55, 0.2, 0.25)  # agent, worker, control
     #: Faults in this order (cycled) instead of drawn with `weights`: a short run that
     #: must see each kind.
     schedule: tuple[str, ...] = ()
     #: > 0: inject exactly this many faults (then drain), however long that takes.
     faults: int = 0
+    #: Go on after `seconds` until there were at least this many kills of each kind.
+    min_kills: tuple[tuple[str, int], ...] = ()
     agent_down_s: float = 3.0
     control_down_s: float = 3.0
-    recover_wait_s: float = 60.0  # at most this long before the next fault anyway
+    recover_wait_s: float = 15.0
     in_flight: int = 2  # jobs kept submitted and not ended
     steps: tuple[int, int] = (12, 30)
     checkpoint_every: int = 3
@@ -215,6 +217,20 @@ class ChaosRun:
                 return False
         return True
 
+    def _go_on(self, end: float) -> bool:
+        cfg, kills = self.config, self.report.kills
+        if cfg.faults:
+            return len(self.report.faults) < cfg.faults
+        return time.monotonic() < end or any(kills[k] < n for k, n in cfg.min_kills)
+
+    def _settle(self, open_faults: list[Fault], now: float) -> None:
+        """Close the faults recovered from (their time is taken now); those still open
+        when the drain ends count as unrecovered."""
+        for fault in list(open_faults):
+            if self._recovered(fault):
+                fault.recovered_s = now - fault.at
+                open_faults.remove(fault)
+
     # ------------------------------------------------------------------ the run
 
     def run(self, on_tick: Callable[[ChaosRun, str], None] | None = None) -> ChaosReport:
@@ -223,20 +239,16 @@ class ChaosRun:
         end = start + cfg.seconds
         open_faults: list[Fault] = []
         next_fault = start + self.rng.uniform(*cfg.fault_every_s)
-        while len(self.report.faults) < cfg.faults if cfg.faults else time.monotonic() < end:
+        while self._go_on(end):
             if self._poll():
                 self._top_up()
             now = time.monotonic()
-            for fault in list(open_faults):
-                if self._recovered(fault):
-                    fault.recovered_s = now - fault.at
-                    open_faults.remove(fault)
-                elif now - fault.at > cfg.recover_wait_s:
-                    open_faults.remove(fault)  # counted as unrecovered
-            if now >= next_fault and (not open_faults or now - next_fault > cfg.recover_wait_s):
-                fault = self._inject()
-                if fault is not None and fault.touched:
-                    open_faults.append(fault)
+            self._settle(open_faults, now)
+            waited = now - next_fault
+            if waited >= 0 and (not open_faults or waited > cfg.recover_wait_s):
+                new = self._inject()
+                if new is not None and new.touched:
+                    open_faults.append(new)
                 next_fault = time.monotonic() + self.rng.uniform(*cfg.fault_every_s)
             if on_tick is not None:
                 on_tick(self, "chaos")
@@ -245,11 +257,7 @@ class ChaosRun:
         drain_end = time.monotonic() + cfg.drain_s
         while time.monotonic() < drain_end:
             if self._poll():
-                now = time.monotonic()
-                for fault in list(open_faults):
-                    if self._recovered(fault):
-                        fault.recovered_s = now - fault.at
-                        open_faults.remove(fault)
+                self._settle(open_faults, time.monotonic())
                 if not self._active():
                     break
             if on_tick is not None:

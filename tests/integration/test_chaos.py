@@ -22,7 +22,7 @@ def test_a_short_chaos_run_loses_no_job(tmp_path: Path) -> None:
         schedule=("agent", "worker", "control"),
         fault_every_s=(2.0, 4.0),
         steps=(8, 14),
-        recover_wait_s=45.0,
+        recover_wait_s=30.0,
         drain_s=150.0,
     )
     report = run_chaos(tmp_path, config)
