@@ -13,10 +13,13 @@ and injects a fault every few seconds (tests/chaos.py says which and how): an ag
 killed and its site down for up to 3 s, one worker killed, or `cpn serve` killed and
 started again. After `--minutes` (and at least `--min-agent-kills` 20 agent and
 `--min-control-kills` 5 control-plane kills; not with --quick) it stops injecting and
-submitting and waits for every job to end. Counted: jobs submitted, succeeded, lost (not succeeded; the goal is 0),
-restarts (user-code failures and infrastructure losses apart), succeeded jobs whose
-per-step series is not every step once, kills by kind, and time to recover (p50/max).
-Exit status 1 when a job was lost.
+submitting and waits for every job to end. Counted: jobs submitted, succeeded, lost (not
+succeeded; the goal is 0), restarts (user-code failures and infrastructure losses apart),
+succeeded jobs whose per-step series is not every step once, kills by kind, and time to
+recover (p50/max).
+Also: launch orders against the launches the agents started (equal: no order lost or
+carried out twice). Exit status 1 when a job was lost, a series broken or a launch
+doubled.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ def _figures(report: ChaosReport, load: tuple[str, str]) -> dict[str, object]:
         "broken_series": report.broken_series,
         "restarts_user": report.restarts_user,
         "restarts_infra": report.restarts_infra,
+        "launch_orders": report.launch_orders,
+        "launches_started": report.launches_started,
+        "repeated_orders": report.repeated_orders,
         "kills": dict(report.kills),
         "faults_touching_running_jobs": sum(1 for f in report.faults if f.touched),
         "unrecovered": report.unrecovered(),
@@ -137,7 +143,8 @@ def main() -> int:
         console.print(_table(fig))
         for line in report.failures:
             console.print(f"[red]{line}")
-    return 1 if report.lost else 0
+    doubled = report.repeated_orders or report.launch_orders != report.launches_started
+    return 1 if report.lost or report.broken_series or doubled else 0
 
 
 if __name__ == "__main__":

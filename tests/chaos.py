@@ -32,8 +32,12 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sqlalchemy import select
+
 from api.job_schemas import JobPublic
 from cpn.client import ApiError, CpnClient
+from cpn.registry import Registry
+from cpn.registry.models import Order
 from tests.processes import worker_pids
 from tests.service_harness import Cluster, cluster, make_key, tiny_job
 
@@ -88,6 +92,11 @@ class ChaosReport:
     broken_series: int = 0
     restarts_user: int = 0
     restarts_infra: int = 0
+    #: Launch orders written (one per job, epoch and agent) and launches the agents'
+    #: logs say they started: equal when no order was lost or carried out twice.
+    launch_orders: int = 0
+    launches_started: int = 0
+    repeated_orders: int = 0  # (job, epoch, site) with more than one launch order
     kills: Counter[str] = field(default_factory=Counter)
     faults: list[Fault] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # reasons of failed jobs
@@ -269,6 +278,18 @@ class ChaosRun:
 
     def _count(self) -> None:
         r = self.report
+        registry = Registry(self.c.db_url)
+        try:
+            with registry.read() as session:
+                orders = Counter(
+                    (o.job_id, o.epoch, o.site)
+                    for o in session.scalars(select(Order).where(Order.kind == "launch"))
+                )
+        finally:
+            registry.dispose()
+        r.launch_orders = sum(orders.values())
+        r.repeated_orders = sum(1 for n in orders.values() if n > 1)
+        r.launches_started = sum(p.text().count(": ranks [") for p in self.c.agents.values())
         for job in self.jobs.values():
             r.restarts_user += job.restarts
             r.restarts_infra += job.losses
