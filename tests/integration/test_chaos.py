@@ -1,7 +1,7 @@
 """A short seeded chaos run (tests/chaos.py, the driver of `bench/chaos.py`): small jobs
 on three sites while an agent, a worker and `cpn serve` are killed in turn (SIGKILL); no
 job may be lost, every finished job has every step once, and every fault is recovered
-from. Bounded: three faults, jobs of at most 14 steps."""
+from. Bounded: three faults, jobs of at most 10 steps."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_a_short_chaos_run_loses_no_job(tmp_path: Path) -> None:
         faults=3,
         schedule=("agent", "worker", "control"),
         fault_every_s=(2.0, 4.0),
-        steps=(8, 14),
+        steps=(6, 10),
         recover_wait_s=30.0,
         drain_s=150.0,
     )
