@@ -33,7 +33,7 @@ def make_key(db_url: str, tenant: str, *extra: str) -> str:
         [*CPN, "keys", "create", "--tenant", tenant, "--database-url", db_url, *extra],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,  # importing cpn takes a minute at load 20 on 2 cores
         check=True,
     )
     return out.stdout.strip()
