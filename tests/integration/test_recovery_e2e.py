@@ -285,7 +285,9 @@ def test_a_control_plane_outage_longer_than_the_lease_fences_then_resumes(
         assert again.data["checkpoint"]["epoch"] == 1
         assert again.data["checkpoint"]["step"] == written[-1]  # the last complete one
         # Epoch 2 ran from that checkpoint on, nothing before it again.
-        (rank0,) = tmp_path.glob(f"work-*/{job_id}/rank-0.metrics.jsonl")
+        rank0 = max(
+            tmp_path.glob(f"work-*/{job_id}/rank-0.metrics.jsonl"), key=lambda p: p.stat().st_mtime
+        )
         ran = [json.loads(line)["step"] for line in rank0.read_text().splitlines()]
         assert ran[-(steps - written[-1]) :] == list(range(written[-1], steps))
         series = client.metrics(job_id)
