@@ -254,7 +254,7 @@ def test_a_control_plane_outage_longer_than_the_lease_fences_then_resumes(
     themselves (they cannot know whether the job was planned elsewhere), and when it comes
     back the job resumes from the last complete checkpoint written before the fence and
     finishes, every step once, each epoch launched once per site."""
-    steps, every, ttl = 150, 5, 3.0
+    steps, every, ttl = 200, 5, 3.0
     doc = tiny_job("outlast", steps=steps, recovery={"checkpoint_every": every})
     store = tmp_path / "checkpoints"
     env = {"CPN_CHECKPOINT_ROOT": str(store), "CPN_STOP_GRACE_S": "4"}
