@@ -268,14 +268,13 @@ def test_a_control_plane_outage_longer_than_the_lease_fences_then_resumes(
         # Fenced by the agents alone, a TTL (plus a check interval) after their last renewal.
         wait_until(lambda: not _workers(job_id), ttl + 20, "the agents to fence their workers")
         fenced_after = time.monotonic() - down
-        for site in ("a", "b"):
-            assert "fenced: no lease renewal" in c.agents[site].text()
+        for site in ("a", "b"):  # by the lease (counted from its last renewal), not the job
+            assert "fenced: no lease renewal" in c.agents[site].text(), fenced_after
         written = sorted(int(p.parent.name[5:]) for p in first.glob("step-*/COMPLETE"))
         time.sleep(1.0)
         c.restart_serve()
         done = _wait_state(client, job_id, {"succeeded", "failed"}, 180)
         assert done.state.value == "succeeded", (done.reason, done.failure)
-        assert fenced_after >= ttl - 0.5, fenced_after
         # A loss of infrastructure (not the job's fault): one re-plan, no restart counted.
         assert (done.epoch, done.losses, done.restarts) == (2, 1, 0)
         assert _moves(client, job_id) == [
