@@ -62,6 +62,26 @@ class Proc:
         return int(self.popen.returncode)
 
 
+def worker_pids(*marks: str) -> list[int]:
+    """Live worker processes (a `worker` in their command line: `cpn worker`, a test's
+    worker script) whose command line holds every one of `marks` somewhere (a job id, an
+    agent's work directory, a cluster's temporary directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or not any(b"worker" in c for c in cmd):
+            continue
+        if all(any(m.encode() in c for c in cmd) for m in marks):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
 def serve_argv(db_url: str, tokens: Path, grpc_port: int, http_port: int, *extra: str) -> list[str]:
     return [
         *CPN, "serve", "--database-url", db_url, "--site-tokens", str(tokens),

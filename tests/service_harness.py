@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ def make_key(db_url: str, tenant: str, *extra: str) -> str:
         [*CPN, "keys", "create", "--tenant", tenant, "--database-url", db_url, *extra],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,  # importing cpn takes a minute at load 20 on 2 cores
         check=True,
     )
     return out.stdout.strip()
@@ -51,10 +52,14 @@ class Cluster:
     agent_argvs: dict[str, list[str]] = field(default_factory=dict)
     agent_envs: dict[str, dict[str, str]] = field(default_factory=dict)
 
-    def restart_agent(self, site: str, sig: signal.Signals = signal.SIGKILL) -> Proc:
-        """Kill a site's agent (SIGKILL: no goodbye) and start it again, same flags."""
+    def restart_agent(
+        self, site: str, sig: signal.Signals = signal.SIGKILL, down_s: float = 0.0
+    ) -> Proc:
+        """Kill a site's agent (SIGKILL: no goodbye) and start it again, same flags, after
+        `down_s` seconds (a site that is down for a while)."""
         old = self.agents[site]
         old.stop(sig)
+        time.sleep(down_s)
         self.agents[site] = Proc(self.agent_argvs[site], old.log, env=self.agent_envs.get(site))
         return self.agents[site]
 
@@ -93,11 +98,15 @@ def cluster(
     agent_extra: dict[str, list[str]] | None = None,
     agent_env: dict[str, dict[str, str]] | None = None,
     every_agent: tuple[str, ...] = (),
+    agent_prefix: dict[str, list[str]] | None = None,
+    control_host: str | None = None,
 ) -> Iterator[Cluster]:
     """`cpn serve` (on SQLite unless `db_url` says otherwise) and one agent per site with
     that many virtual GPUs; returns once every site is in the live topology with its WAN
     links measured. `every_agent`: more flags for every agent; `agent_extra`: for one
-    site's agent (`--backend slurm ...`), `agent_env` its environment."""
+    site's agent (`--backend slurm ...`), `agent_env` its environment, `agent_prefix` a
+    command it runs under (`ip netns exec NS`: a site in a network namespace, which then
+    reaches `cpn serve` at `control_host`; serve listens on every address then)."""
     db_url = db_url or f"sqlite:///{tmp}/cpn.db"
     grpc_port, http_port = free_port(), free_port()
     tokens = write_tokens(tmp / "tokens.yaml")
@@ -105,6 +114,7 @@ def cluster(
     argv = serve_argv(
         db_url, tokens, grpc_port, http_port, "--lease-ttl", f"{lease_ttl:g}",
         "--heartbeat-interval", f"{heartbeat:g}", *serve_extra,
+        *(("--host", "0.0.0.0") if control_host else ()),
     )  # fmt: skip
     # Rendezvous ports of this cluster's own, near a port free now: other test runs on
     # the machine use the default range on 127.0.0.1 too.
@@ -125,11 +135,12 @@ def cluster(
     try:
         _wait_ready(http_port, serve)
         for site, n in gpus.items():
-            made.agent_argvs[site] = agent_argv(
+            made.agent_argvs[site] = [*(agent_prefix or {}).get(site, []), *agent_argv(
                 site, grpc_port, tmp, "--virtual-gpus", str(n), "--gpu-memory-gb", "16",
                 "--gpu-tflops", "10", "--probe-interval", "1", "--probe-bytes", "65536",
                 *every_agent, *(agent_extra or {}).get(site, []),
-            )  # fmt: skip
+                *(("--control", f"{control_host}:{grpc_port}") if control_host else ()),
+            )]  # fmt: skip
             agents[site] = Proc(
                 made.agent_argvs[site], tmp / f"agent-{site}.log", env=(agent_env or {}).get(site)
             )

@@ -21,7 +21,7 @@ from cpn.client import CpnClient
 from cpn.registry import Registry
 from cpn.registry.models import Event, Order, OrderState
 from tests.integration.runtime import run
-from tests.processes import wait_until
+from tests.processes import wait_until, worker_pids
 from tests.service_harness import cluster, make_key, tiny_job
 
 pytestmark = pytest.mark.slow
@@ -156,22 +156,7 @@ FLAKY = Path(__file__).resolve().parents[1] / "workers" / "flaky_worker.py"
 def _workers(job_id: str, where: str = "") -> list[int]:
     """Pids of live worker processes of a job (its id is in their --job path), of one
     agent's work directory if `where` names it."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if (
-            state != "Z"
-            and any(b"worker" in c for c in cmd)
-            and any(job_id.encode() in c for c in cmd)
-        ):
-            pids.append(int(entry.name))
-    return pids
+    return worker_pids(job_id, *([where] if where else []))
 
 
 def test_failing_and_stuck_workers_follow_the_jobs_recovery_policy(tmp_path: Path) -> None:
@@ -260,3 +245,60 @@ def test_a_partitioned_site_is_fenced_and_its_stale_checkpoints_are_not_used(
         assert ran == list(range(fenced_at, steps))
         series = client.metrics(job_id)
         assert [s.step for s in series.steps] == list(range(steps))
+
+
+def test_a_control_plane_outage_longer_than_the_lease_fences_then_resumes(
+    tmp_path: Path,
+) -> None:
+    """`cpn serve` gone for longer than a lease: the agents stop their workers by
+    themselves (they cannot know whether the job was planned elsewhere), and when it comes
+    back the job resumes from the last complete checkpoint written before the fence and
+    finishes, every step once, each epoch launched once per site."""
+    steps, every, ttl = 200, 5, 3.0
+    doc = tiny_job("outlast", steps=steps, recovery={"checkpoint_every": every})
+    store = tmp_path / "checkpoints"
+    env = {"CPN_CHECKPOINT_ROOT": str(store), "CPN_STOP_GRACE_S": "4"}
+    with cluster(tmp_path, {"a": 2, "b": 2}, env=env, lease_ttl=ttl) as c:
+        client = c.client(make_key(c.db_url, "alice"))
+        job_id = client.submit(doc).id
+        first = store / job_id / "e1"
+        wait_until((first / f"step-{2 * every:08d}" / "COMPLETE").exists, 120, "checkpoints")
+        c.serve.stop(signal.SIGKILL)
+        down = time.monotonic()
+        # Fenced by the agents alone, a TTL (plus a check interval) after their last renewal.
+        wait_until(lambda: not _workers(job_id), ttl + 20, "the agents to fence their workers")
+        fenced_after = time.monotonic() - down
+        for site in ("a", "b"):  # by the lease (counted from its last renewal), not the job
+            assert "fenced: no lease renewal" in c.agents[site].text(), fenced_after
+        written = sorted(int(p.parent.name[5:]) for p in first.glob("step-*/COMPLETE"))
+        time.sleep(1.0)
+        c.restart_serve()
+        done = _wait_state(client, job_id, {"succeeded", "failed"}, 180)
+        assert done.state.value == "succeeded", (done.reason, done.failure)
+        # A loss of infrastructure (not the job's fault): one re-plan, no restart counted.
+        assert (done.epoch, done.losses, done.restarts) == (2, 1, 0)
+        assert _moves(client, job_id) == [
+            "scheduled", "running", "rescheduling", "scheduled", "running", "succeeded",
+        ]  # fmt: skip
+        again = next(e for e in client.events(job_id) if e.data.get("to") == "rescheduling")
+        assert again.data["checkpoint"]["epoch"] == 1
+        assert again.data["checkpoint"]["step"] == written[-1]  # the last complete one
+        # Epoch 2 ran from that checkpoint on, nothing before it again.
+        rank0 = max(
+            tmp_path.glob(f"work-*/{job_id}/rank-0.metrics.jsonl"), key=lambda p: p.stat().st_mtime
+        )
+        ran = [json.loads(line)["step"] for line in rank0.read_text().splitlines()]
+        assert ran[-(steps - written[-1]) :] == list(range(written[-1], steps))
+        series = client.metrics(job_id)
+        assert [s.step for s in series.steps] == list(range(steps))
+        # Each (site, epoch) launched once: the restart repeated no order. (Epoch 2 runs
+        # where it was planned: both sites, or one if the other was not back yet.)
+        launches = Counter(
+            (o.site, o.epoch) for o in _orders(c.db_url, job_id) if o.kind == "launch"
+        )
+        assert set(launches.values()) == {1}, launches
+        assert {site for site, epoch in launches if epoch == 1} == {"a", "b"}
+        assert {epoch for _, epoch in launches} == {1, 2}
+        kinds = Counter(e.kind for e in _events(c.db_url, job_id))
+        assert (kinds["allocated"], kinds["released"]) == (2, 2), kinds
+        wait_until(lambda: not client.reservations().gpus, 30, "GPUs to be freed")
