@@ -84,13 +84,17 @@ class JobService:
         settings: ControlSettings,
         wake: Callable[[], None] | None = None,
         capacity_version: Callable[[], int] | None = None,
+        submitted: Callable[[], None] | None = None,
     ) -> None:
-        """`wake`: tell the orchestration loop a job came or went. `capacity_version`:
-        changes whenever the live agents change (the control server's peers version), so
-        that the never-fit check sees a new site at once, not up to SNAPSHOT_S later."""
+        """`wake`: tell the orchestration loop a job came or went. `submitted`: tell it a
+        job was queued, when it has a cheaper tick for that (Orchestrator.submitted; by
+        default `wake`). `capacity_version`: changes whenever the live agents change (the
+        control server's peers version), so that the never-fit check sees a new site at
+        once, not up to SNAPSHOT_S later."""
         self.registry = registry
         self.settings = settings
         self.wake = wake or (lambda: None)
+        self.submitted = submitted or self.wake
         self._feasible = FeasibilityCache()
         self.capacity_version = capacity_version or (lambda: 0)
         self._snapshot: tuple[float, Topology | None, str, int] = (float("-inf"), None, "", -1)
@@ -350,7 +354,7 @@ class JobService:
                 if existing is not None:
                     return existing, False
             raise
-        self.wake()
+        self.submitted()
         return view, True
 
     def _tenant_for_submit(
