@@ -428,8 +428,7 @@ class Orchestrator:
         priority not tried yet (ix_jobs_queue).
         """
         params = {"tried": sorted(tried), "now": utcnow()}
-        with self.registry.read() as session:
-            connection = session.connection()
+        with self.registry.statements() as connection:
             again = connection.execute(_BEST_AGAIN, params).first()
             queued = connection.execute(_OLDEST_OF_TOP, params).first()
             if queued is None and tried:  # every job of the top priority was tried
@@ -449,8 +448,13 @@ class Orchestrator:
         whole queue — are never read.
         """
         params = {"head": head, "reason": reason}
-        with self.registry.read() as session:
-            connection = session.connection()
+        if self.registry.dialect == "postgresql":
+            # One statement in autocommit: the rows' locks are taken and the reasons set
+            # at once (no write lock to spare, unlike SQLite's).
+            with self.registry.statements() as connection:
+                connection.execute(_SET_DIFFERING_REASONS, params)
+            return
+        with self.registry.statements() as connection:
             if all(connection.scalar(q, params) is None for q in _DIFFERS):
                 return
         with self.registry.write() as session:
@@ -519,6 +523,13 @@ _DIFFERING_LOCKED = tuple(
     .limit(REASONS_PER_TICK)
     .with_for_update(skip_locked=True)
     for r in _RANGES
+)
+#: PostgreSQL: every differing row not locked by another transaction, at most
+#: REASONS_PER_TICK of each range, in one statement.
+_SET_DIFFERING_REASONS = (
+    update(Job.__table__)
+    .where(or_(*(_jobs.id.in_(q.scalar_subquery()) for q in _DIFFERING_LOCKED)))
+    .values(state_reason=bindparam("reason"))
 )
 _SET_REASONS = (
     update(Job.__table__)

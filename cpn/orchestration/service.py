@@ -399,8 +399,7 @@ class JobService:
             e_gpus=job.gpus,
             e_priority=job.priority,
         )
-        autocommit = self.registry.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        with autocommit as connection:
+        with self.registry.statements() as connection:
             row = connection.execute(_INSERT_AT_ONCE, params).first()
         if row is None:
             raise Unauthorized(f"tenant {principal.tenant!r} no longer exists")

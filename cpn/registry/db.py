@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
@@ -156,6 +156,17 @@ class Registry:
         """One transaction: committed when the block ends, rolled back if it raises."""
         with self._writer, self._write() as session, session.begin():
             yield session
+
+    @contextmanager
+    def statements(self) -> Iterator[Connection]:
+        """A connection on which each statement is a transaction of its own: on PostgreSQL
+        in autocommit, which saves the BEGIN and the ROLLBACK or COMMIT round trips around
+        a single statement (a lookup, or one INSERT or UPDATE that must be atomic alone).
+        Several reads on it see what was committed when each ran, as in a READ COMMITTED
+        transaction. On SQLite, a plain connection (for reads)."""
+        with self.engine.connect() as plain:
+            autocommit = self.dialect == "postgresql"
+            yield plain.execution_options(isolation_level="AUTOCOMMIT") if autocommit else plain
 
     def dispose(self) -> None:
         self.engine.dispose()
