@@ -527,12 +527,12 @@ _DIFFERING_LOCKED = tuple(
 #: PostgreSQL: every differing row not locked by another transaction, at most
 #: REASONS_PER_TICK of each range, in one statement.
 _SET_DIFFERING_REASONS = (
-    update(Job.__table__)
+    update(Job)
     .where(or_(*(_jobs.id.in_(q.scalar_subquery()) for q in _DIFFERING_LOCKED)))
     .values(state_reason=bindparam("reason"))
 )
 _SET_REASONS = (
-    update(Job.__table__)
+    update(Job)
     .where(_jobs.id.in_(bindparam("ids", expanding=True)))
     .values(state_reason=bindparam("reason"))
 )

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
-    Column,
     ColumnElement,
     Integer,
     Select,
@@ -403,8 +402,7 @@ class JobService:
             row = connection.execute(_INSERT_AT_ONCE, params).first()
         if row is None:
             raise Unauthorized(f"tenant {principal.tenant!r} no longer exists")
-        name, made = row
-        return str(name) if made else None
+        return str(row[0]) if row[1] else None
 
     def _tenant_for_submit(
         self, session: Session, principal: Principal, key: str | None
@@ -492,14 +490,14 @@ _INSERT_JOB = insert(Job)
 _INSERT_EVENT = insert(Event)
 
 
-def _insert_at_once_statement() -> Select[tuple[str, bool]]:
+def _insert_at_once_statement() -> Select[Any]:
     """WITH t (the tenant's name and quota, the job that has the key), j (the job, if no
     quota and no such job), e (its event) SELECT t.name, whether j inserted. Each value
     is cast to its column's type: PostgreSQL cannot infer a parameter's type in a SELECT
     list."""
     jobs, events, tenants = Job.__table__, Event.__table__, Tenant.__table__
 
-    def param(name: str, column: Column[Any]) -> ColumnElement[Any]:
+    def param(name: str, column: ColumnElement[Any]) -> ColumnElement[Any]:
         return cast(bindparam(name, type_=column.type), column.type)
 
     t = (
@@ -512,7 +510,7 @@ def _insert_at_once_statement() -> Select[tuple[str, bool]]:
         .select_from(t)
         .where(t.c.gpu_quota.is_(None), t.c.job.is_(None))
     )
-    j = jobs.insert().from_select([c.key for c in jobs.columns], values).returning(jobs.c.id)
+    j = insert(Job).from_select([c.key for c in jobs.columns], values).returning(jobs.c.id)
     made = j.cte("j")
     data = func.json_build_object(
         cast(literal("tenant"), Text),
@@ -530,7 +528,7 @@ def _insert_at_once_statement() -> Select[tuple[str, bool]]:
         cast(data, events.c.data.type),
     ).select_from(made.join(t, true()))
     columns = ["at", "kind", "job_id", "message", "data"]
-    e = events.insert().from_select(columns, event).cte("e")
+    e = insert(Event).from_select(columns, event).cte("e")
     return select(t.c.name, exists(select(made.c.id))).add_cte(e)
 
 
