@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from api.threads import in_thread
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService, Principal, ServiceMetrics
 from cpn.orchestration.tenants import KeyCache, authenticate, check_form
@@ -72,7 +72,7 @@ async def principal_of(request: Request, key: str | None) -> Principal:
     principal = cache.get(key)
     if principal is None:
         registry: Registry = request.app.state.registry
-        principal = await run_in_threadpool(_lookup, registry, key)
+        principal = await in_thread(_lookup, registry, key)
         cache.put(key, principal)
     return principal
 

@@ -245,6 +245,7 @@ async def _serve(settings: ControlSettings, tokens: SiteTokens, http_sock: socke
         settings,
         wake=orchestrator.wake,
         capacity_version=lambda: control.leases.peers_version,
+        submitted=orchestrator.submitted,
     )
 
     def ready() -> str | None:

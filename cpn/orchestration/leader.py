@@ -32,6 +32,7 @@ log = logging.getLogger("cpn.orchestration")
 LOCK_KEY = int.from_bytes(b"cpn\0", "big")
 _TRY = text("SELECT pg_try_advisory_lock(:k, hashtext(current_schema()))")
 _UNLOCK = text("SELECT pg_advisory_unlock(:k, hashtext(current_schema()))")
+_ALIVE = text("SELECT 1")
 
 
 class Leadership:
@@ -52,7 +53,7 @@ class Leadership:
             return True
         if self._conn is not None:
             try:
-                self._conn.execute(text("SELECT 1"))
+                self._conn.execute(_ALIVE)
                 return True
             except SQLAlchemyError as exc:
                 log.warning("orchestration: lost the leader's connection (%s); not leading", exc)

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import yaml
-from sqlalchemy import and_, case, delete, or_, select, update
+from sqlalchemy import bindparam, delete, or_, select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -45,6 +45,7 @@ from cpn.orchestration.leader import Leadership
 from cpn.orchestration.metrics import ServiceMetrics
 from cpn.registry import Registry, release
 from cpn.registry.models import (
+    PENDING_ONLY,
     Agent,
     Allocation,
     Job,
@@ -100,6 +101,13 @@ class Orchestrator:
         #: How long a failed rank's job waits before the failure is judged: long enough
         #: for the lease of an agent that died with it to expire and be reaped.
         self._settle_s = self.settings.lease_ttl_s + 2 * self.settings.reaper_interval_s
+        #: Whether launch orders may be due (a job admitted since the last look), and
+        #: whether a job may be ending (cancelled, ended or lost, or still freeing its
+        #: GPUs): ticks that only admit newcomers skip those two queries. Both are looked
+        #: at anyway at least every `schedule_interval_s`, as an idle loop would.
+        self._launch_due = True
+        self._end_due = True
+        self._last_full = float("-inf")
 
     # ------------------------------------------------------------------ running
 
@@ -119,10 +127,24 @@ class Orchestrator:
         self.leadership.release()
 
     def wake(self, *, admit: bool = True) -> None:
-        """Tick soon (thread-safe): a job was submitted or cancelled."""
+        """Tick soon (thread-safe): something changed — a job was cancelled, admitted…
+        The tick looks at everything."""
         with self._lock:
             self._admit = self._admit or admit
-        if self._loop is not None and self._wakeup is not None:
+            self._launch_due = self._end_due = True
+        self._set_wakeup()
+
+    def submitted(self) -> None:
+        """Tick soon (thread-safe): a job was queued. Only admission can have work: the
+        tick does not look for launches or ends that nothing has made due."""
+        with self._lock:
+            self._admit = True
+        self._set_wakeup()
+
+    def _set_wakeup(self) -> None:
+        # Already set: the tick it asks for has not started (it clears the event first),
+        # and it reads the flags set above. One self-pipe write per burst, not per job.
+        if self._loop is not None and self._wakeup is not None and not self._wakeup.is_set():
             self._loop.call_soon_threadsafe(self._wakeup.set)
 
     def _on_report(self, report: TaskReport) -> None:
@@ -165,6 +187,7 @@ class Orchestrator:
         if leading != self.leading:
             self.leading = leading
             self._last_sweep = self._last_admission = 0.0  # look at everything again
+            self._last_full = float("-inf")
             self._peers_version = -1
             if not leading:
                 log.info("orchestration: another control plane leads")
@@ -186,9 +209,23 @@ class Orchestrator:
         sweep = lost or agents_changed or now - self._last_sweep >= SWEEP_S
         if sweep:
             self._last_sweep = now
-        freed = self._advance(dirty, sweep)
-        self._launch()
-        freed |= self._end()
+        full = now - self._last_full >= self.settings.schedule_interval_s
+        if full:
+            self._last_full = now
+        with self._lock:
+            launch, self._launch_due = self._launch_due or full, False
+            end, self._end_due = self._end_due or full or sweep or bool(dirty), False
+        try:
+            freed = self._advance(dirty, sweep)
+            if launch:
+                self._launch()
+            if end:
+                freed |= self._end()
+        except BaseException:
+            with self._lock:  # this tick failed: the next one looks again
+                self._launch_due = self._launch_due or launch
+                self._end_due = self._end_due or end
+            raise
         changed = freed or admit_all or now - self._last_admission >= ADMISSION_RETRY_S
         if admit or changed:
             if changed:
@@ -327,6 +364,7 @@ class Orchestrator:
                 )
                 for j in holding
             ]
+        released = 0
         for job, agents, live, stop in ended:
             if stop:
                 with self.registry.write() as session:
@@ -344,6 +382,10 @@ class Orchestrator:
                     session.execute(delete(RendezvousPort).where(RendezvousPort.job_id == job.id))
                 log.info("job %s: %d GPUs freed", job.id, gpus)
                 freed = True
+                released += 1
+        if released < len(ended):
+            with self._lock:  # waiting for workers to stop, or for the grace to pass
+                self._end_due = True
         return freed
 
     def _admit_queue(self, changed: bool) -> None:
@@ -406,50 +448,55 @@ class Orchestrator:
 
     def _queue_head(self, tried: set[str]) -> tuple[str, str, str, int] | None:
         """The first pending job in queue order (priority, then age) not tried this tick:
-        four columns of one row, not the whole queue with its specs."""
-        # Jobs planned again after a loss come before queued ones of the same priority,
-        # once their last epoch has given its GPUs back and their backoff has passed.
-        holding = select(Allocation.job_id).where(Allocation.job_id == Job.id).exists()
-        due = or_(Job.not_before.is_(None), Job.not_before <= utcnow())
-        again = case((Job.state == JobState.RESCHEDULING, 0), else_=1)
-        with self.registry.read() as session:
-            row = session.execute(
-                select(Job.id, Job.state_reason, Job.name, Job.priority)
-                .where(
-                    or_(
-                        Job.state == JobState.PENDING,
-                        and_(Job.state == JobState.RESCHEDULING, ~holding, due),
-                    ),
-                    Job.id.not_in(tried),
-                )
-                .order_by(Job.priority.desc(), again, Job.created_at, Job.id)
-                .limit(1)
-            ).first()
+        four columns of one row, not the whole queue with its specs.
+
+        Jobs planned again after a loss come before queued ones of the same priority, once
+        their last epoch has given its GPUs back and their backoff has passed. Two lookups
+        on the indexes, not one query ordering every queued job (which sorted the whole
+        queue on every tick): the best such job, and the oldest queued one of the highest
+        priority not tried yet (ix_jobs_queue).
+        """
+        params = {"tried": sorted(tried), "now": utcnow()}
+        with self.registry.statements() as connection:
+            again = connection.execute(_BEST_AGAIN, params).first()
+            queued = connection.execute(_OLDEST_OF_TOP, params).first()
+            if queued is None and tried:  # every job of the top priority was tried
+                top = connection.scalar(_TOP_PRIORITY)
+                while top is not None and queued is None:
+                    queued = connection.execute(_OLDEST_AT, {**params, "priority": top}).first()
+                    top = connection.scalar(_TOP_BELOW, {"below": top})
+        row = again if again is not None and (queued is None or again[3] >= queued[3]) else queued
         return None if row is None else (row[0], row[1], row[2], row[3])
 
     def _queue_behind(self, head: str, reason: str) -> None:
         """Every other pending job waits behind `head`: one UPDATE of the rows whose reason
-        differs (usually only the newcomers), and no write at all when none does."""
-        others = (Job.state == JobState.PENDING, Job.id != head, Job.state_reason != reason)
-        with self.registry.read() as session:
-            if session.scalar(select(Job.id).where(*others).limit(1)) is None:
+        differs (usually only the newcomers), and no write at all when none does.
+
+        "Differs" is read as two ranges of the partial index on queued jobs' reasons
+        (below the reason, above it), so that the rows that already have it — nearly the
+        whole queue — are never read.
+        """
+        params = {"head": head, "reason": reason}
+        if self.registry.dialect == "postgresql":
+            # One statement in autocommit: the rows' locks are taken and the reasons set
+            # at once (no write lock to spare, unlike SQLite's).
+            with self.registry.statements() as connection:
+                connection.execute(_SET_DIFFERING_REASONS, params)
+            return
+        with self.registry.statements() as connection:
+            if all(connection.scalar(q, params) is None for q in _DIFFERS):
                 return
         with self.registry.write() as session:
-            # Rows locked in id order, skipping any another transaction holds (a cancel, or
-            # another control plane's loop): never a deadlock; a skipped row gets its reason
-            # on a later tick. At most REASONS_PER_TICK rows per tick.
-            ids = session.scalars(
-                select(Job.id)
-                .where(*others)
-                .order_by(Job.id)
-                .limit(REASONS_PER_TICK)
-                .with_for_update(skip_locked=True)
-            ).all()
+            # Rows locked skipping any another transaction holds (a cancel, or another
+            # control plane's loop): nothing waits, so never a deadlock; a skipped row
+            # gets its reason on a later tick. At most REASONS_PER_TICK rows per tick.
+            connection = session.connection()
+            ids: list[str] = []
+            for q in _DIFFERING_LOCKED:
+                if len(ids) < REASONS_PER_TICK:
+                    ids += connection.scalars(q, params).all()
             if ids:
-                session.execute(
-                    update(Job).where(Job.id.in_(ids)).values(state_reason=reason),
-                    execution_options={"synchronize_session": False},
-                )
+                connection.execute(_SET_REASONS, {"ids": ids[:REASONS_PER_TICK], "reason": reason})
 
     def _set_reason(self, job_id: str, old: str, new: str) -> None:
         if old == new:
@@ -458,3 +505,63 @@ class Orchestrator:
             job = session.get(Job, job_id, with_for_update=True)
             if job is not None and job.state in ADMITTABLE:
                 job.state_reason = new
+
+
+# The queue's statements, built once (they run on every tick, up to 50 times a second).
+_jobs = Job.__table__.c
+_HEAD_COLUMNS = (_jobs.id, _jobs.state_reason, _jobs.name, _jobs.priority)
+_NOT_TRIED = _jobs.id.not_in(bindparam("tried", expanding=True))
+_BEST_AGAIN = (
+    select(*_HEAD_COLUMNS)
+    .where(
+        _jobs.state == JobState.RESCHEDULING,
+        ~select(Allocation.job_id).where(Allocation.job_id == _jobs.id).exists(),
+        or_(_jobs.not_before.is_(None), _jobs.not_before <= bindparam("now")),
+        _NOT_TRIED,
+    )
+    .order_by(_jobs.priority.desc(), _jobs.created_at, _jobs.id)
+    .limit(1)
+)
+_TOP_PRIORITY = (
+    select(_jobs.priority)
+    .where(_jobs.state == JobState.PENDING)
+    .order_by(_jobs.priority.desc())
+    .limit(1)
+)
+_TOP_BELOW = _TOP_PRIORITY.where(_jobs.priority < bindparam("below"))
+_OLDEST = select(*_HEAD_COLUMNS).order_by(_jobs.created_at, _jobs.id).limit(1)
+#: The oldest pending job of the highest priority, if not tried this tick: one lookup.
+_OLDEST_OF_TOP = _OLDEST.where(
+    _jobs.state == JobState.PENDING,
+    _jobs.priority == _TOP_PRIORITY.scalar_subquery(),
+    _NOT_TRIED,
+)
+_OLDEST_AT = _OLDEST.where(
+    _jobs.state == JobState.PENDING, _jobs.priority == bindparam("priority"), _NOT_TRIED
+)
+#: Pending, written as the literal term of the partial index ix_jobs_pending_reason (a
+#: bound parameter would keep the database from using that index).
+_PENDING = text(f"jobs.{PENDING_ONLY}")
+_OTHERS = (_PENDING, _jobs.id != bindparam("head"))
+_RANGES = (_jobs.state_reason < bindparam("reason"), _jobs.state_reason > bindparam("reason"))
+_DIFFERS = tuple(select(_jobs.id).where(*_OTHERS, r).limit(1) for r in _RANGES)
+_DIFFERING_LOCKED = tuple(
+    select(_jobs.id)
+    .where(*_OTHERS, r)
+    .order_by(_jobs.id)
+    .limit(REASONS_PER_TICK)
+    .with_for_update(skip_locked=True)
+    for r in _RANGES
+)
+#: PostgreSQL: every differing row not locked by another transaction, at most
+#: REASONS_PER_TICK of each range, in one statement.
+_SET_DIFFERING_REASONS = (
+    update(Job)
+    .where(or_(*(_jobs.id.in_(q.scalar_subquery()) for q in _DIFFERING_LOCKED)))
+    .values(state_reason=bindparam("reason"))
+)
+_SET_REASONS = (
+    update(Job)
+    .where(_jobs.id.in_(bindparam("ids", expanding=True)))
+    .values(state_reason=bindparam("reason"))
+)

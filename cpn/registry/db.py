@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 from cpn.errors import InputError
@@ -34,6 +35,14 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 #: again on the next request — a new PostgreSQL backend, or SQLite's PRAGMAs, per request.
 POOL_SIZE = 16
 POOL_OVERFLOW = 8
+#: A pooled PostgreSQL connection that sat unused this long is pinged before it is handed
+#: out (and replaced if dead). Pinging every checkout (`pool_pre_ping`) cost a round trip
+#: per transaction — under load, one for every submission and several per orchestration
+#: tick — for connections used a moment before. What it still catches: a server restart
+#: or a connection dropped while idle. A connection that dies within this window fails
+#: its next statement instead, and SQLAlchemy then replaces every connection that was
+#: opened before the failure.
+PING_IDLE_S = 1.0
 
 
 def database_url(explicit: str | None = None) -> str:
@@ -76,6 +85,24 @@ def _sqlite_setup(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+def _ping_when_idle(engine: Engine) -> None:
+    # The pessimistic disconnect handling of SQLAlchemy's documentation, for connections
+    # that were idle: raising DisconnectionError makes the pool open another one.
+    @event.listens_for(engine, "checkin")
+    def _checkin(_dbapi_conn: Any, record: Any) -> None:
+        record.info["cpn_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("cpn_idle_since")
+        if since is None or time.monotonic() - since < PING_IDLE_S:
+            return  # new, or used a moment ago
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raise DisconnectionError(f"a pooled connection is gone: {exc}") from exc
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     url = normalize_url(url)
     if url.startswith("sqlite"):
@@ -89,7 +116,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         _sqlite_setup(engine)
         return engine
     kwargs = {"pool_size": POOL_SIZE, "max_overflow": POOL_OVERFLOW, **kwargs}
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+    engine = create_engine(url, **kwargs)
+    _ping_when_idle(engine)
+    return engine
 
 
 class Registry:
@@ -127,6 +156,17 @@ class Registry:
         """One transaction: committed when the block ends, rolled back if it raises."""
         with self._writer, self._write() as session, session.begin():
             yield session
+
+    @contextmanager
+    def statements(self) -> Iterator[Connection]:
+        """A connection on which each statement is a transaction of its own: on PostgreSQL
+        in autocommit, which saves the BEGIN and the ROLLBACK or COMMIT round trips around
+        a single statement (a lookup, or one INSERT or UPDATE that must be atomic alone).
+        Several reads on it see what was committed when each ran, as in a READ COMMITTED
+        transaction. On SQLite, a plain connection (for reads)."""
+        with self.engine.connect() as plain:
+            autocommit = self.dialect == "postgresql"
+            yield plain.execution_options(isolation_level="AUTOCOMMIT") if autocommit else plain
 
     def dispose(self) -> None:
         self.engine.dispose()

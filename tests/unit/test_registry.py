@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import psycopg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, select, update
+from sqlalchemy import inspect, select, text, update
 
 from cpn.contracts import JobSpec
 from cpn.registry import (
@@ -26,6 +27,7 @@ from cpn.registry import (
     apply_heartbeats,
     build_topology,
     create_job,
+    db,
     downgrade,
     live_leases,
     mark_lost,
@@ -48,6 +50,7 @@ from cpn.registry.models import (
     utcnow,
 )
 from cpn.scheduler import plan_job
+from tests.databases import PostgresDatabases
 from tests.registry_factories import node, register
 
 TABLES = {
@@ -348,3 +351,22 @@ def test_topology_summarises_each_node_conservatively(registry: Registry) -> Non
     assert (link.key, link.bandwidth_gbps, link.latency_ms) == ("a|b", 8.0, 15.0)
     [link] = fresh.links  # b's measurement is too old
     assert (link.bandwidth_gbps, link.latency_ms) == (10.0, 15.0)
+
+
+@pytest.mark.postgres
+def test_a_pooled_connection_that_died_while_idle_is_replaced(
+    postgres: PostgresDatabases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pooled PostgreSQL connections are pinged only after PING_IDLE_S unused: one whose
+    backend was ended meanwhile (a server restart) is replaced, not handed out dead."""
+    registry = Registry(postgres.create())
+    try:
+        with registry.engine.connect() as conn:
+            pid = conn.scalar(text("SELECT pg_backend_pid()"))
+        with psycopg.connect(postgres.admin_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        monkeypatch.setattr(db, "PING_IDLE_S", 0.0)  # it has been idle long enough
+        with registry.engine.connect() as conn:
+            assert conn.scalar(text("SELECT pg_backend_pid()")) != pid
+    finally:
+        registry.dispose()
