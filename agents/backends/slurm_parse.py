@@ -11,8 +11,8 @@ Slurm's JSON changed between versions, and the readers accept both shapes:
 
 22.05's `squeue --json` also ignores squeue's filters (-j, --name): every job comes back
 and the caller picks its own. 23.02+ apply them, the default one too: plain `squeue
---json` there shows only pending and running jobs (24.11.5 recorded), so a finished job
-is read from `scontrol -o show job` or the jobcomp log. 24.11 leaves `return_code` unset
+--json` there shows only pending and running jobs (24.11.5 recorded), so the backend
+asks for `-t all`. 24.11 leaves `return_code` unset
 for a job ended by a signal; it reads as 0, as its `ExitCode=0:15` does. Where JSON is
 missing (`squeue: unrecognized option '--json'`, before 21.08) the text forms are read:
 `squeue -h -o`, `scontrol -o show job`, and the job-completion log (`jobcomp/filetxt`),

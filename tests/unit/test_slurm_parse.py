@@ -90,8 +90,8 @@ def test_every_state_from_squeue_json(version: Path) -> None:
 
 
 def test_plain_squeue_json_shows_only_active_jobs_from_23_02_on() -> None:
-    """What the backend's `squeue --json` sees: 22.05 every job, 24.11 only pending and
-    running ones, so a finished job is found by `scontrol show job` or the jobcomp log."""
+    """Plain `squeue --json`: 22.05 prints every job, 24.11 only pending and running
+    ones, which is why the backend asks for `squeue --json -t all` (squeue-all.json)."""
     ids = _ids(V24)
     jobs = {j.job_id for j in parse_squeue_json((V24 / "squeue.json").read_text())}
     assert jobs == {ids["urgent"], ids["pending"]}
