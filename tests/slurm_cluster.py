@@ -43,6 +43,8 @@ class SlurmCluster:
     ctld_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    #: More slurm.conf lines (record.py's PluginDir= for a Slurm unpacked elsewhere).
+    conf_extra: tuple[str, ...] = ()
 
     @property
     def conf(self) -> Path:
@@ -123,6 +125,7 @@ class SlurmCluster:
             f"PartitionName=cpn Nodes={names} Default=YES MaxTime=INFINITE State=UP",
             f"PartitionName=urgent Nodes={names} PriorityTier=10 MaxTime=INFINITE State=UP",
             f"PartitionName=short Nodes={names} MaxTime=1 State=UP",
+            *self.conf_extra,
         ]
         self.conf.write_text("\n".join(lines) + "\n")
         (r / "gres.conf").write_text("\n".join(gres) + "\n")
@@ -248,7 +251,9 @@ def _wait(
 
 
 @contextmanager
-def slurm_cluster(root: Path, nodes: int = 4, gpus: int = GPUS_PER_NODE) -> Iterator[SlurmCluster]:
+def slurm_cluster(
+    root: Path, nodes: int = 4, gpus: int = GPUS_PER_NODE, conf_extra: tuple[str, ...] = ()
+) -> Iterator[SlurmCluster]:
     """A running cluster of `nodes` nodes (node1…nodeN) in `root`; stopped on exit.
 
     Raises ClusterError (the tests fail) when a binary is missing or a daemon does not
@@ -259,7 +264,9 @@ def slurm_cluster(root: Path, nodes: int = 4, gpus: int = GPUS_PER_NODE) -> Iter
             f"Slurm is not installed here (missing {', '.join(missing)}): run scripts/setup.sh "
             "as root (apt-get install slurmctld slurmd slurm-client munge)"
         )
-    cluster = SlurmCluster(root, [f"node{i + 1}" for i in range(nodes)], gpus)
+    cluster = SlurmCluster(
+        root, [f"node{i + 1}" for i in range(nodes)], gpus, conf_extra=conf_extra
+    )
     cluster.write_config()
     try:
         cluster.start()

@@ -11,8 +11,8 @@ order Slurm lists them in. The launcher of node rank 0 serves the rendezvous on 
 `NodeAddr`; when the launch is this site's alone it picks a free port there at start and
 the other nodes read it from the run directory, so launches sharing a host never clash.
 
-States come from `squeue --json` (22.05's string `job_state` and 23.02+'s list both
-read), then `scontrol -o show job`, then the job-completion log — never from `sacct`,
+States come from `squeue --json -t all` (22.05's string `job_state` and 23.02+'s list
+both read), then `scontrol -o show job`, then the job-completion log — never from `sacct`,
 which needs slurmdbd. A job pending for a reason that cannot pass (bad partition
 configuration, a held failed launch) is cancelled and reported FAILED: it must not sit
 in the queue. Capacity comes from `scontrol -o show node` (GRES `gpu`); a node that is
@@ -371,9 +371,11 @@ class SlurmBackend:
 
     # ------------------------------------------------------------------ watch
     async def _queue(self) -> list[SlurmJob]:
-        """Every job squeue shows (22.05's --json ignores filters anyway)."""
+        """Every job Slurm still keeps, ended ones too: `-t all`, since 23.02+ apply
+        squeue's default filter (pending and running only) to --json as well (22.05's
+        --json ignores filters); adopt must see jobs that ended while the agent was away."""
         if self._json is not False:
-            done = await self._run("squeue", "--json", check=False)
+            done = await self._run("squeue", "--json", "-t", "all", check=False)
             try:
                 jobs = parse_squeue_json(done)
                 self._json = True

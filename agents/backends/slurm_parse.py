@@ -1,5 +1,5 @@
 """What Slurm's commands print, read into plain data — pure functions, tested on recorded
-outputs of two Slurm versions (tests/fixtures/slurm/).
+outputs of two Slurm versions, 22.05.8 and 24.11.5 (tests/fixtures/slurm/).
 
 Slurm's JSON changed between versions, and the readers accept both shapes:
 
@@ -10,9 +10,13 @@ Slurm's JSON changed between versions, and the readers accept both shapes:
   numbers        2                              {"set": true, "infinite": false, "number": 2}
 
 22.05's `squeue --json` also ignores squeue's filters (-j, --name): every job comes back
-and the caller picks its own. Where JSON is missing (`squeue: unrecognized option
-'--json'`, before 21.08) the text forms are read: `squeue -h -o`, `scontrol -o show job`,
-and the job-completion log (`jobcomp/filetxt`), none of which need slurmdbd.
+and the caller picks its own. 23.02+ apply them, the default one too: plain `squeue
+--json` there shows only pending and running jobs (24.11.5 recorded), so the backend
+asks for `-t all`. 24.11 leaves `return_code` unset
+for a job ended by a signal; it reads as 0, as its `ExitCode=0:15` does. Where JSON is
+missing (`squeue: unrecognized option '--json'`, before 21.08) the text forms are read:
+`squeue -h -o`, `scontrol -o show job`, and the job-completion log (`jobcomp/filetxt`),
+none of which need slurmdbd.
 """
 
 from __future__ import annotations
@@ -146,6 +150,8 @@ def _exit(value: Any) -> tuple[int | None, int]:
         code = _number(value.get("return_code"))
         sig = value.get("signal")
         signo = _number(sig.get("id") if isinstance(sig, dict) else None) or 0
+        if code is None and signo:  # 24.11 leaves return_code unset for a signalled job;
+            code = 0  # its `ExitCode=0:15` and 22.05's wait status both read as 0
         return code, signo
     status = _number(value)
     if status is None:
@@ -161,6 +167,11 @@ def _text(value: Any) -> str:
     return ""
 
 
+def _reason(value: Any) -> str:
+    """`state_reason`, "" for Slurm's "None" (as the text forms read it)."""
+    return "" if value in (None, "None") else str(value)
+
+
 def job_from_json(doc: dict[str, Any]) -> SlurmJob:
     if "job_id" not in doc:
         raise SlurmOutputError("a job without job_id")
@@ -171,7 +182,7 @@ def job_from_json(doc: dict[str, Any]) -> SlurmJob:
         name=str(doc.get("name") or ""),
         state=state,
         flags=flags,
-        reason=str(doc.get("state_reason") or ""),
+        reason=_reason(doc.get("state_reason")),
         exit_code=code,
         signal=signo,
         restarts=_number(doc.get("restart_cnt")) or 0,

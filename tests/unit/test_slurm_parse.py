@@ -1,6 +1,9 @@
-"""The Slurm backend's readers and its state table on recorded outputs: Slurm 22.05.8
-(recorded on this host, tests/fixtures/slurm/22.05.8) and the 23.11 JSON shape
-(tests/fixtures/slurm/23.11; see the README there for how each was made)."""
+"""The Slurm backend's readers and its state table on recorded outputs of two Slurm
+versions: 22.05.8 (this host's Debian Slurm) and 24.11.5 (Debian 13's, run from a private
+prefix), both recorded by tests/fixtures/slurm/record.py, plus the 23.11 JSON shape
+reconstructed from the 22.05 recording (see tests/fixtures/slurm/README.md for how each
+was made). Every state cpn maps is read from each recording's `squeue --json`, `squeue`
+text, `scontrol -o show job` and jobcomp log."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import pytest
 from agents.backends import State
 from agents.backends.slurm import SLURM_STATES, slurm_status
 from agents.backends.slurm_parse import (
+    SlurmJob,
     SlurmOutputError,
     gres_gpus,
     key_values,
@@ -22,44 +26,105 @@ from agents.backends.slurm_parse import (
 )
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "slurm"
-V22, V23 = FIXTURES / "22.05.8", FIXTURES / "23.11"
+V22, V24, V23 = FIXTURES / "22.05.8", FIXTURES / "24.11.5", FIXTURES / "23.11"
+RECORDED = pytest.mark.parametrize("version", [V22, V24], ids=["22.05.8", "24.11.5"])
 
-#: What each recorded job is (ids.txt) and the cpn state, Slurm state, exit code and
-#: signal it must read as.
+#: What each recorded job is (ids.txt) and the cpn state and Slurm state it must read as,
+#: with the exit code its status carries.
 EXPECTED = {
-    "done": (State.SUCCEEDED, "COMPLETED", 0, 0),
-    "failed": (State.FAILED, "FAILED", 3, 0),
-    "cancelled": (State.CANCELLED, "CANCELLED", 0, 15),
-    "timeout": (State.FAILED, "TIMEOUT", 0, 15),
-    "lost": (State.NODE_LOST, "NODE_FAIL", 0, 0),
-    "preempted": (State.PREEMPTED, "PREEMPTED", 0, 15),
-    "urgent": (State.RUNNING, "RUNNING", None, 0),
-    "pending": (State.PENDING, "PENDING", None, 0),
+    "done": (State.SUCCEEDED, "COMPLETED", 0),
+    "failed": (State.FAILED, "FAILED", 3),
+    "cancelled": (State.CANCELLED, "CANCELLED", 0),
+    "timeout": (State.FAILED, "TIMEOUT", 0),
+    "lost": (State.NODE_LOST, "NODE_FAIL", 0),
+    "preempted": (State.PREEMPTED, "PREEMPTED", 0),
+    "urgent": (State.RUNNING, "RUNNING", None),
+    "pending": (State.PENDING, "PENDING", None),
+}
+#: The signal Slurm reports per job, where not 0: SIGTERM for the ones it ended, and on
+#: 24.11 SIGHUP (`ExitCode=0:1`) for the job of the node that died.
+SIGNALS = {
+    V22: {"cancelled": 15, "timeout": 15, "preempted": 15},
+    V24: {"cancelled": 15, "timeout": 15, "preempted": 15, "lost": 1},
 }
 
 
-def _ids() -> dict[str, str]:
-    return dict(line.split() for line in (V22 / "ids.txt").read_text().splitlines())
+def _ids(version: Path) -> dict[str, str]:
+    return dict(line.split() for line in (version / "ids.txt").read_text().splitlines())
 
 
-@pytest.mark.parametrize("version", [V22, V23], ids=["22.05", "23.11"])
-def test_every_state_from_squeue_json(version: Path) -> None:
-    jobs = {j.job_id: j for j in parse_squeue_json((version / "squeue.json").read_text())}
-    for what, job_id in _ids().items():
-        state, native, code, signal = EXPECTED[what]
-        job = jobs[job_id]
-        assert job.name == f"cpn-{what}-e0"
-        assert job.state == native, what
-        status = slurm_status(job)
-        assert status.state is state, what
-        assert status.native == native
+def _json_all(version: Path) -> dict[str, SlurmJob]:
+    """Every recorded job from JSON: 22.05's `squeue --json` prints all of them, 23.02+
+    apply squeue's default filter (squeue-all.json is `squeue --json -t all`)."""
+    path = version / "squeue-all.json"
+    text = (path if path.exists() else version / "squeue.json").read_text()
+    return {j.job_id: j for j in parse_squeue_json(text)}
+
+
+def _check(job: SlurmJob, what: str, exit_code: bool = True) -> None:
+    """`job` is the recorded job `what` and maps to its cpn state (and exit code, where
+    the form carries one: squeue's text does not)."""
+    state, native, code = EXPECTED[what]
+    assert job.name == f"cpn-{what}-e0"
+    assert job.state == native, what
+    status = slurm_status(job)
+    assert status.state is state, what
+    assert status.native == native
+    assert status.restarts == 0
+    if exit_code:
         assert status.exit_code == code, what
-        assert job.signal == signal, what
-        assert status.restarts == 0
+
+
+@pytest.mark.parametrize("version", [V22, V24, V23], ids=["22.05.8", "24.11.5", "23.11-rebuilt"])
+def test_every_state_from_squeue_json(version: Path) -> None:
+    jobs = _json_all(version)
+    signals = SIGNALS.get(version, SIGNALS[V22])
+    for what, job_id in _ids(V22 if version == V23 else version).items():
+        _check(jobs[job_id], what)
+        assert jobs[job_id].signal == signals.get(what, 0), what
     assert jobs["1"].comment == "cpn/done/0/agent-a"
     assert jobs["8"].reason == "Resources"
     assert jobs["5"].reason == "NodeDown"
-    assert slurm_status(jobs["5"]).reason == "Slurm job 5 NODE_FAIL: NodeDown"
+    hup = " (signal 1)" if "lost" in signals else ""
+    assert slurm_status(jobs["5"]).reason == f"Slurm job 5 NODE_FAIL: NodeDown{hup}"
+
+
+def test_plain_squeue_json_shows_only_active_jobs_from_23_02_on() -> None:
+    """Plain `squeue --json`: 22.05 prints every job, 24.11 only pending and running
+    ones, which is why the backend asks for `squeue --json -t all` (squeue-all.json)."""
+    ids = _ids(V24)
+    jobs = {j.job_id for j in parse_squeue_json((V24 / "squeue.json").read_text())}
+    assert jobs == {ids["urgent"], ids["pending"]}
+    assert len(parse_squeue_json((V22 / "squeue.json").read_text())) == len(_ids(V22))
+
+
+@RECORDED
+def test_every_state_from_text_forms(version: Path) -> None:
+    """squeue's text, scontrol -o show job and the jobcomp log (no slurmdbd) read as the
+    same states, mapped the same way, as the JSON."""
+    by_json = _json_all(version)
+    by_text = {j.job_id: j for j in parse_squeue_text((version / "squeue.txt").read_text())}
+    by_scontrol = {
+        j.job_id: j for j in parse_scontrol_jobs((version / "scontrol-jobs.txt").read_text())
+    }
+    jobcomp = (version / "jobcomp.txt").read_text()
+    for what, job_id in _ids(version).items():
+        job = by_json[job_id]
+        _check(by_text[job_id], what, exit_code=False)
+        _check(by_scontrol[job_id], what)
+        assert by_text[job_id].reason == job.reason
+        assert by_scontrol[job_id].exit_code == job.exit_code
+        assert by_scontrol[job_id].signal == job.signal
+        assert by_scontrol[job_id].comment == job.comment
+        assert by_scontrol[job_id].work_dir == job.work_dir
+        ended = parse_jobcomp(jobcomp, job_id)
+        if job.state in ("RUNNING", "PENDING"):
+            assert ended is None
+        else:
+            assert ended is not None
+            _check(ended, what)
+            assert ended.exit_code == job.exit_code
+    assert by_scontrol[_ids(version)["done"]].comment == "cpn/done/0/agent-a"
 
 
 def test_23_11_state_lists_with_flags() -> None:
@@ -70,30 +135,6 @@ def test_23_11_state_lists_with_flags() -> None:
     assert slurm_status(completing).state is State.CANCELLED
 
 
-def test_text_forms_agree_with_json() -> None:
-    """squeue's text, scontrol -o show job and the jobcomp log (no slurmdbd) read as the
-    same states as the JSON."""
-    by_json = {j.job_id: j for j in parse_squeue_json((V22 / "squeue.json").read_text())}
-    by_text = {j.job_id: j for j in parse_squeue_text((V22 / "squeue.txt").read_text())}
-    by_scontrol = {
-        j.job_id: j for j in parse_scontrol_jobs((V22 / "scontrol-jobs.txt").read_text())
-    }
-    jobcomp = (V22 / "jobcomp.txt").read_text()
-    for job_id, job in by_json.items():
-        assert by_text[job_id].state == job.state
-        assert by_scontrol[job_id].state == job.state
-        assert by_scontrol[job_id].exit_code == job.exit_code
-        assert by_scontrol[job_id].signal == job.signal
-        assert by_scontrol[job_id].comment == job.comment
-        assert by_scontrol[job_id].work_dir == job.work_dir
-        ended = parse_jobcomp(jobcomp, job_id)
-        if job.state in ("RUNNING", "PENDING"):
-            assert ended is None
-        else:
-            assert ended is not None and ended.state == job.state
-            assert ended.exit_code == job.exit_code
-
-
 def test_every_slurm_state_has_a_mapping_and_unknown_ones_are_unknown() -> None:
     for native in ("COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL"):
         assert native in SLURM_STATES
@@ -102,13 +143,24 @@ def test_every_slurm_state_has_a_mapping_and_unknown_ones_are_unknown() -> None:
     assert slurm_status(job).native == "SOMETHING_NEW"
 
 
-def test_nodes_and_gres() -> None:
-    nodes = {n.name: n for n in parse_nodes((V22 / "scontrol-nodes.txt").read_text())}
+@RECORDED
+def test_nodes_partitions_and_gres(version: Path) -> None:
+    nodes = {n.name: n for n in parse_nodes((version / "scontrol-nodes.txt").read_text())}
     assert sorted(nodes) == ["node1", "node2", "node3", "node4"]
     assert nodes["node1"].gpus == 2 and nodes["node1"].address == "127.0.0.1"
-    assert nodes["node1"].partitions == ("cpn", "urgent")
+    assert {"cpn", "urgent"} <= set(nodes["node1"].partitions)
+    # node4's slurmd was killed: `DOWN+NOT_RESPONDING`; 24.11's node1 and node2, held for
+    # the pending job, read `IDLE+PLANNED` and are usable
     assert nodes["node4"].state.startswith("DOWN") and not nodes["node4"].usable
     assert all(nodes[n].usable for n in ("node1", "node2", "node3"))
+    assert version != V24 or nodes["node1"].state == "IDLE+PLANNED"
+    lines = (version / "scontrol-partitions.txt").read_text().splitlines()
+    parts = {f["PartitionName"]: f for f in map(key_values, lines) if f}
+    assert parts["cpn"]["Nodes"] == "node[1-4]" and parts["cpn"]["State"] == "UP"
+    assert parts["urgent"]["PriorityTier"] == "10"
+
+
+def test_gres_and_key_values() -> None:
     assert gres_gpus("gpu:a100:8(S:0-1)") == (8, "a100")
     assert gres_gpus("gpu:a100:4,gpu:h100:4") == (8, "a100")
     assert gres_gpus("(null)") == (0, "")
