@@ -297,7 +297,8 @@ class Agent:
                     raise
                 self.control.lease_id = None
         assert self.inventory is not None
-        await self.control.register(self.inventory, self.probe_address)
+        # Orders come only once connected: the list is complete, nothing starts meanwhile.
+        await self.control.register(self.inventory, self.probe_address, self.launches.followed())
 
     async def _session(self) -> None:
         events = [

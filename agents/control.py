@@ -102,13 +102,24 @@ class ControlLink:
         return self.lease_id
 
     # -- RPCs ------------------------------------------------------------------------------
-    async def register(self, inventory: pb.Inventory, probe_address: str) -> None:
+    async def register(
+        self,
+        inventory: pb.Inventory,
+        probe_address: str,
+        launches: list[tuple[str, int]] | None = None,
+    ) -> None:
+        """Register (again). `launches`: every launch this process follows, listed when
+        the control plane may have workers of ours it should stop waiting for (the first
+        registration of a process, or after its lease was lost); None when registering
+        again only to say that the site's nodes changed."""
         request = pb.RegisterRequest(
             site=self.config.site,
             agent_id=self.config.agent_id,
             version=__version__,
             inventory=inventory,
             probe_address=probe_address,
+            launches=[pb.LaunchRef(job_id=j, epoch=e) for j, e in launches or []],
+            launches_listed=launches is not None,
         )
         response = await self.stub.Register(request, metadata=self.metadata, timeout=RPC_TIMEOUT_S)
         self.lease_id = response.lease_id

@@ -123,6 +123,10 @@ class LaunchManager:
         run = self._launches.get(job_id)
         return [r.rank for r in run.ranks] if run is not None and run.running else []
 
+    def followed(self) -> list[tuple[str, int]]:
+        """(job, epoch) of every launch this process follows or has not forgotten yet."""
+        return sorted((run.job_id, run.epoch) for run in self._launches.values())
+
     def busy_gpus(self) -> set[tuple[str, int]]:
         return {
             (r.node, r.gpu) for run in self._launches.values() if run.running for r in run.ranks

@@ -39,6 +39,8 @@ ADDRESS_MAX = 256
 MESSAGE_MAX = 4096
 
 MAX_NODES_PER_AGENT = 10_000
+#: Launches one agent follows at once (its registration lists them).
+MAX_LAUNCHES_PER_AGENT = 10_000
 MAX_GPUS_PER_NODE = 1024
 MAX_NICS_PER_NODE = 64
 #: RDMA port numbers count from 1; a switch has at most 254 ports (port 255 is reserved).

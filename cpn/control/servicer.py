@@ -29,6 +29,7 @@ from cpn.control.db_status import database_status
 from cpn.control.dispatch import AssignmentDispatcher
 from cpn.control.errors import InvalidField, clip_details, quote
 from cpn.control.leases import LeaseTable, LiveLease
+from cpn.control.reconcile import forget_gone_launches
 from cpn.control.settings import ControlSettings
 from cpn.control.tokens import SiteTokens
 from cpn.registry import Registry
@@ -172,7 +173,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         ttl_ms = int(self.s.settings.lease_ttl_s * 1000)
         lease_id = str(uuid.uuid4())
         try:
-            registered = await self.s.run_db(self._register_tx, reg, lease_id, ttl_ms)
+            registered, gone = await self.s.run_db(self._register_tx, reg, lease_id, ttl_ms)
         except NodeOwnedError as exc:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, clip_details(f"{exc.field}: {exc}")
@@ -192,6 +193,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             gpu_ids=registered.gpu_ids,
         )
         self.s.leases.put(lease)
+        if gone:
+            log.warning(
+                "agent %s/%s restarted without the workers of %s",
+                reg.site, reg.agent_id, ", ".join(gone),
+            )  # fmt: skip
+            for listener in self.s.loss_listeners:  # the loop looks at every job now
+                listener(reg.site, reg.agent_id)
         log.info(
             "agent %s/%s registered (%d nodes, registration %d)",
             reg.site,
@@ -207,9 +215,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             peers_version=self.s.leases.peers_version,
         )
 
-    def _register_tx(self, reg: AgentRegistration, lease_id: str, ttl_ms: int) -> Registered:
+    def _register_tx(
+        self, reg: AgentRegistration, lease_id: str, ttl_ms: int
+    ) -> tuple[Registered, list[str]]:
         with self.s.registry.write() as session:
-            return register_agent(
+            registered = register_agent(
                 session,
                 reg,
                 lease_id=lease_id,
@@ -217,6 +227,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 now=utcnow(),
                 site_settings=self.s.tokens.settings.get(reg.site),
             )
+            gone = (
+                []
+                if reg.launches is None
+                else forget_gone_launches(session, reg.site, reg.agent_id, reg.launches)
+            )
+        return registered, gone
 
     def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """One heartbeat, unary or on a stream: check it, renew the lease in memory."""

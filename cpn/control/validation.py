@@ -42,6 +42,7 @@ from cpn.contracts.limits import (
     MAX_GBPS,
     MAX_GPU_MEMORY_GB,
     MAX_GPUS_PER_NODE,
+    MAX_LAUNCHES_PER_AGENT,
     MAX_MILLISECONDS,
     MAX_NICS_PER_NODE,
     MAX_NODES_PER_AGENT,
@@ -227,7 +228,19 @@ def register_request(req: pb.RegisterRequest) -> AgentRegistration:
         version=req.version,
         probe_address=req.probe_address,
         nodes=tuple(out),
+        launches=_launches(req) if req.launches_listed else None,
     )
+
+
+def _launches(req: pb.RegisterRequest) -> frozenset[tuple[str, int]]:
+    if len(req.launches) > MAX_LAUNCHES_PER_AGENT:
+        raise InvalidField(
+            "launches", f"at most {MAX_LAUNCHES_PER_AGENT} launches, got {len(req.launches)}"
+        )
+    for i, launch in enumerate(req.launches):
+        _label(launch.job_id, f"launches[{i}].job_id", required=True, max_len=JOB_ID_MAX)
+        _integer(launch.epoch, f"launches[{i}].epoch", INT64_MAX)
+    return frozenset((launch.job_id, launch.epoch) for launch in req.launches)
 
 
 def _node(node: pb.Node, where: str) -> NodeInfo:

@@ -55,6 +55,9 @@ class AgentRegistration:
     version: str
     probe_address: str
     nodes: tuple[NodeInfo, ...]
+    #: (job, epoch) of every launch the agent process follows; None: not listed (an
+    #: agent that registers again without restarting).
+    launches: frozenset[tuple[str, int]] | None = None
 
 
 @dataclass(frozen=True)

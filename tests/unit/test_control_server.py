@@ -591,3 +591,72 @@ def test_heartbeats_on_a_stream(sqlite_url: str) -> None:
         with srv.registry.read() as s:
             assert s.scalars(select(Agent)).one().status == AgentStatus.ALIVE
         channel.close()
+
+
+def test_an_agent_restarted_without_its_workers_has_them_marked_lost(db_url: str) -> None:
+    """An agent that comes back within its lease's TTL replaces its lease (no loss is
+    declared): the launches its registration lists are its own, and its ranks in any
+    other launch are lost at once — they would never report again. A registration that
+    does not list (the same process, with new nodes) changes nothing."""
+    upgrade(db_url)
+    with control_server(db_url, migrate=False) as srv:
+        losses: list[tuple[str, str]] = []
+        srv.server.state.loss_listeners.append(lambda *who: losses.append(who))
+        channel, client = stub(srv.server.port)
+        lease = _register(client).lease_id
+        for job_id in ("job-kept", "job-gone"):
+            srv.server.dispatcher.launch(
+                "a", "agent-1", job_id=job_id, plan=PLAN, job_yaml="", master_addr="h",
+                master_port=1, epoch=3,
+            )  # fmt: skip
+        wait_for(lambda: _rows(srv.registry, Event) >= 3, what="the orders' events")
+        for job_id in ("job-kept", "job-gone"):
+            client.ReportTaskStatus(
+                pb.ReportTaskStatusRequest(
+                    site="a", agent_id="agent-1", lease_id=lease, job_id=job_id, rank=0,
+                    state=pb.TASK_STATE_RUNNING, step=5, epoch=3,
+                ),
+                metadata=auth("a"),
+                timeout=10,
+            )  # fmt: skip
+
+        def states() -> dict[str, tuple[TaskState, str]]:
+            with srv.registry.read() as s:
+                return {t.job_id: (t.state, t.message) for t in s.scalars(select(Task))}
+
+        _register(client)  # not listed: the same process, registering its nodes again
+        assert {j: st for j, (st, _) in states().items()} == {
+            "job-kept": TaskState.RUNNING,
+            "job-gone": TaskState.RUNNING,
+        }
+        assert losses == []
+        # A new process that adopted one of the two launches (and an older epoch of the
+        # other, which does not count).
+        kept = [pb.LaunchRef(job_id="job-kept", epoch=3), pb.LaunchRef(job_id="job-gone", epoch=2)]
+        _register(client, launches=kept, launches_listed=True)
+        now = states()
+        assert now["job-kept"] == (TaskState.RUNNING, "")
+        assert now["job-gone"] == (
+            TaskState.NODE_LOST,
+            "LOST: agent agent-1 restarted and no longer runs this launch",
+        )
+        assert losses == [("a", "agent-1")]
+        channel.close()
+
+
+@pytest.mark.parametrize(
+    ("launches", "words"),
+    [
+        ([pb.LaunchRef(job_id="", epoch=1)], "launches[0].job_id"),
+        ([pb.LaunchRef(job_id="job\n1", epoch=1)], "launches[0].job_id"),
+        ([pb.LaunchRef(job_id="j", epoch=1 << 63)], "launches[0].epoch"),
+    ],
+)
+def test_a_registration_with_bad_launches_is_refused_naming_them(
+    sqlite_url: str, launches: list[pb.LaunchRef], words: str
+) -> None:
+    with control_server(sqlite_url) as srv:
+        channel, client = stub(srv.server.port)
+        code, details = _code(lambda: _register(client, launches=launches, launches_listed=True))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith(words), details
+        channel.close()

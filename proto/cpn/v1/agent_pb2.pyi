@@ -327,6 +327,8 @@ class RegisterRequest(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     INVENTORY_FIELD_NUMBER: _builtins.int
     PROBE_ADDRESS_FIELD_NUMBER: _builtins.int
+    LAUNCHES_FIELD_NUMBER: _builtins.int
+    LAUNCHES_LISTED_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     agent_id: _builtins.str
     """stable across restarts of the agent"""
@@ -334,8 +336,18 @@ class RegisterRequest(_message.Message):
     """the agent's software version"""
     probe_address: _builtins.str
     """host:port of the agent's WAN probe endpoint"""
+    launches_listed: _builtins.bool
     @_builtins.property
     def inventory(self) -> Global___Inventory: ...
+    @_builtins.property
+    def launches(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaunchRef]:
+        """The launches this agent process follows now (running, or ended and not yet fully
+        reported), after adopting what its site's engine still runs. With `launches_listed`,
+        a worker the control plane has for this agent in a launch not listed is gone — the
+        agent restarted, and its workers ended with it — and its job is planned again at
+        once instead of waiting for reports that will never come.
+        """
+
     def __init__(
         self,
         *,
@@ -344,14 +356,38 @@ class RegisterRequest(_message.Message):
         version: _builtins.str = ...,
         inventory: Global___Inventory | None = ...,
         probe_address: _builtins.str = ...,
+        launches: _abc.Iterable[Global___LaunchRef] | None = ...,
+        launches_listed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["inventory", b"inventory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "inventory", b"inventory", "probe_address", b"probe_address", "site", b"site", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "inventory", b"inventory", "launches", b"launches", "launches_listed", b"launches_listed", "probe_address", b"probe_address", "site", b"site", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterRequest: _TypeAlias = RegisterRequest  # noqa: Y015
+
+@_typing.final
+class LaunchRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchRef: _TypeAlias = LaunchRef  # noqa: Y015
 
 @_typing.final
 class Peer(_message.Message):
