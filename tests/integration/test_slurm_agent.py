@@ -126,6 +126,27 @@ def test_the_slurm_agent_restarted_adopts_its_job(sites: tuple[Cluster, SlurmClu
     assert job.progress.step == 300
 
 
+def test_an_agent_restarted_within_its_lease_has_its_job_planned_again(
+    sites: tuple[Cluster, SlurmCluster],
+) -> None:
+    """The local site's agent killed and started again at once, well within its 30 s
+    lease: no loss is declared, but the new process says which launches it follows
+    (none: its workers died with it), so the job is planned again now, not never."""
+    c, _ = sites
+    client = c.client(make_key(c.db_url, "gina"))
+    job_id = client.submit(tiny_job("restarted", steps=100_000)).id
+    _wait_state(client, job_id, {"running"}, 120)
+    c.restart_agent("a")
+    job = _wait_state(client, job_id, {"rescheduling", "scheduled"}, 60)
+    assert job.losses == 1 and job.restarts == 0, job.reason
+    moved = next(
+        e for e in client.events(job_id) if e.kind == "job_state" and e.data["to"] == "rescheduling"
+    )
+    assert "agent a-a-node restarted and no longer runs this launch" in moved.message, moved
+    client.cancel(job_id)
+    _wait_state(client, job_id, {"cancelled"}, 60)
+
+
 def test_cancel_leaves_nothing_in_squeue(sites: tuple[Cluster, SlurmCluster]) -> None:
     c, slurm = sites
     client = c.client(make_key(c.db_url, "carol"))
