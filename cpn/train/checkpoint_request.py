@@ -7,7 +7,7 @@ workers, or both (Slurm signals a step's processes as its process tracking finds
 each of them, given a request file, touches it on SIGUSR2 instead of dying of the
 signal's default action, and each worker asks for a checkpoint when the file's mtime is
 newer than the last request it saw. The workers then agree on the step through
-`cpn.comm.flag.StepFlag` (a checkpoint is collective).
+`cpn.comm.flag.StepMax` (a checkpoint is collective).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ def touch_on_signal(path: Path) -> None:
 
 
 class CheckpointRequest:
-    """Newer requests in the file since the last look (one per touch, at most one a look);
-    a request made before this object existed (an earlier epoch's) does not count."""
+    """The time of the newest request in the file (its mtime, ns), or 0 while there is
+    none newer than when this object was made (an earlier epoch's does not count)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._seen = self._mtime()
+        self._start = self._mtime()
 
     def _mtime(self) -> int:
         try:
@@ -46,9 +46,6 @@ class CheckpointRequest:
         except OSError:
             return 0
 
-    def raised(self) -> bool:
+    def newest(self) -> int:
         mtime = self._mtime()
-        if mtime > self._seen:
-            self._seen = mtime
-            return True
-        return False
+        return mtime if mtime > self._start else 0

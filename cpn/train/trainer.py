@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from cpn.comm import Traffic, new_groups
-from cpn.comm.flag import StepFlag
+from cpn.comm.flag import StepMax
 from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, WanCompression, layout_problem
 from cpn.contracts.plan import Plan
 from cpn.errors import InputError
@@ -428,7 +428,7 @@ class Trainer:
         path = self.opts.checkpoint_request
         if path is None or self.store is None:
             return None
-        return _SiteAsks(CheckpointRequest(path), StepFlag(self.device, self.traffic))
+        return _SiteAsks(CheckpointRequest(path), StepMax(self.device, self.traffic))
 
     @contextmanager
     def _metrics_sink(self) -> Iterator[IO[str] | None]:
@@ -442,18 +442,28 @@ class Trainer:
                 yield sink
 
 
+#: Requests this close together are one: a signal reaches a node's launcher and its
+#: workers within milliseconds, and each of them touches the request file.
+COALESCE_NS = 2_000_000_000
+
+
 @dataclass
 class _SiteAsks:
-    """Whether the site asked for a checkpoint, agreed by every rank: a request seen by
-    any rank in step s is agreed in step s + 1 (the flag's exchange overlaps a step) and
-    wanted until a checkpoint is written — at the next outer step under `wan: outer`."""
+    """Whether the site asked for a checkpoint, agreed by every rank: the ranks exchange the
+    time of the newest request each has seen; a request newer than the last one served
+    (by more than COALESCE_NS) is wanted one step after a rank saw it — the exchange
+    overlaps a step — and until a checkpoint is written (at the next outer step under
+    `wan: outer`). Every rank reads the same agreed times, so all decide alike."""
 
     request: CheckpointRequest
-    flag: StepFlag
+    flag: StepMax
+    served: int = 0
     pending: bool = False
 
     def now(self) -> bool:
-        self.pending = self.flag.exchange(self.request.raised()) or self.pending
+        agreed = self.flag.exchange(self.request.newest())
+        if agreed > self.served + COALESCE_NS:
+            self.served, self.pending = agreed, True
         return self.pending
 
     def done(self) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cpn.registry.migrate import head_revision
 from tests.control_harness import control_server
 from tests.processes import TOKENS, write_tokens
 
@@ -39,12 +40,15 @@ def _one_line_error(out: subprocess.CompletedProcess[str], words: str) -> None:
 
 def test_db_upgrade_current_downgrade(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/reg.db"
+    head = head_revision()  # the newest migration in migrations/versions
+    versions = Path(__file__).resolve().parents[2] / "migrations" / "versions"
+    assert head == max(p.name[:4] for p in versions.glob("0*.py"))
     out = cpn("db", "upgrade", "--database-url", url)
-    assert out.returncode == 0 and "database at revision 0003" in out.stdout, out.stderr
-    assert cpn("db", "current", "--database-url", url).stdout.strip() == "0003: up to date"
+    assert out.returncode == 0 and f"database at revision {head}" in out.stdout, out.stderr
+    assert cpn("db", "current", "--database-url", url).stdout.strip() == f"{head}: up to date"
     out = cpn("db", "downgrade", "base", "--database-url", url)
     assert out.returncode == 0 and "base (empty)" in out.stdout
-    assert "behind (newest is 0003)" in cpn("db", "current", "--database-url", url).stdout
+    assert f"behind (newest is {head})" in cpn("db", "current", "--database-url", url).stdout
 
 
 def test_db_url_from_the_environment(tmp_path: Path) -> None:
