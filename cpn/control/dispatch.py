@@ -40,6 +40,8 @@ RunDb = Callable[..., Awaitable[Any]]
 
 @dataclass
 class _Stream:
+    #: Wakes the current stream (new orders, its end). Each stream has its own: a newer
+    #: stream clearing a shared one could leave the older one it replaced asleep.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     generation: int = 0  # the stream that may read; an older one ends
     closed: bool = False
@@ -246,23 +248,25 @@ class AssignmentDispatcher:
             stream = self._streams[key] = _Stream()
         stream.generation += 1
         mine = stream.generation
-        stream.changed.set()  # wake an older stream so that it sees it has been replaced
+        older, stream.changed = stream.changed, asyncio.Event()
+        changed = stream.changed
+        older.set()  # wake an older stream so that it sees it has been replaced
 
         def replaced() -> bool:
             return stream.closed or stream.generation != mine
 
         while not replaced():
-            stream.changed.clear()
+            changed.clear()
             rows = await self._run_db(self._queued, site, agent_id)
             for pk, body in rows:
                 if replaced():
                     return
                 yield pb.Assignment.FromString(body)
                 await self._run_db(self._delivered, pk)
-            if rows:
+            if rows or replaced():
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stream.changed.wait(), self.poll_s)
+                await asyncio.wait_for(changed.wait(), self.poll_s)
 
 
 def _order_id() -> str:

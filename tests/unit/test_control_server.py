@@ -397,7 +397,8 @@ def test_orders_queued_before_the_agent_watches_are_delivered_in_order(sqlite_ur
         )
         stop_id = dispatcher.stop("a", "agent-1", job_id="job-7", reason="cancelled")
         watch = pb.WatchAssignmentsRequest(site="a", agent_id="agent-1", lease_id=lease)
-        stream = client.WatchAssignments(watch, metadata=auth("a"), timeout=30)
+        # Deadlines for the whole test, not one read: a loaded machine makes it slow.
+        stream = client.WatchAssignments(watch, metadata=auth("a"), timeout=120)
         first, second = next(stream), next(stream)
         assert (first.order_id, second.order_id) == (launch_id, stop_id)
         order = first.launch
@@ -426,7 +427,7 @@ def test_orders_queued_before_the_agent_watches_are_delivered_in_order(sqlite_ur
             stop_id,
         ]
         # A second stream for the same agent takes over; the first one ends.
-        newer = client.WatchAssignments(watch, metadata=auth("a"), timeout=30)
+        newer = client.WatchAssignments(watch, metadata=auth("a"), timeout=120)
         got = []
         reader = threading.Thread(target=lambda: got.append(next(newer)))
         reader.start()

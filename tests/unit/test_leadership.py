@@ -27,11 +27,13 @@ def test_one_leader_at_a_time_and_the_other_takes_over(postgres: PostgresDatabas
             assert Leadership(elsewhere).lead()
         finally:
             elsewhere.dispose()
-        # The leader dies: its session ends and PostgreSQL releases the lock at once.
+        # The leader dies: its session ends and PostgreSQL releases the lock at once
+        # (once the backend has exited: pg_terminate_backend waits for that, up to 30 s).
         assert one._conn is not None
         pid = one._conn.scalar(text("SELECT pg_backend_pid()"))
         with second.engine.connect() as admin:
-            admin.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            gone = admin.scalar(text("SELECT pg_terminate_backend(:p, 30000)"), {"p": pid})
+            assert gone
         assert two.lead()
         assert not one.lead()  # its connection is gone: it notices and does not lead
         two.release()  # a clean stop hands over at once
