@@ -59,6 +59,16 @@ def _wait_state(client: CpnClient, job_id: str, states: set[str], timeout: float
     return wait_until(reached, timeout, f"job {job_id} to reach {states}")
 
 
+def _rescheduled(client: CpnClient, job_id: str, timeout: float) -> None:
+    """Wait until the job has gone RESCHEDULING (from its events: it may be planned again
+    within milliseconds, too fast to see in its state)."""
+    wait_until(
+        lambda: any(e.data.get("to") == "rescheduling" for e in client.events(job_id)),
+        timeout,
+        f"job {job_id} to go rescheduling",
+    )
+
+
 def _slurm_jobs(slurm: SlurmCluster, job_id: str) -> list[str]:
     """Ids of every Slurm job (any state) of this cpn job."""
     out = slurm.run("squeue", "-h", "-t", "all", "-o", "%i %j")
@@ -137,7 +147,8 @@ def test_an_agent_restarted_within_its_lease_has_its_job_planned_again(
     job_id = client.submit(tiny_job("restarted", steps=100_000)).id
     _wait_state(client, job_id, {"running"}, 120)
     c.restart_agent("a")
-    job = _wait_state(client, job_id, {"rescheduling", "scheduled"}, 60)
+    _rescheduled(client, job_id, 60)
+    job = client.job(job_id)
     assert job.losses == 1 and job.restarts == 0, job.reason
     moved = next(
         e for e in client.events(job_id) if e.kind == "job_state" and e.data["to"] == "rescheduling"
@@ -204,7 +215,7 @@ def test_a_preempted_slurm_job_resumes_from_its_checkpoint_without_a_restart(
         "sbatch", "--parsable", "-p", "urgent", "--nodelist=node1", "--exclusive",
         "--time=1", f"--output={c.tmp}/urgent.out", "--wrap", "sleep 6",
     )  # fmt: skip
-    _wait_state(client, job_id, {"rescheduling"}, 30)
+    _rescheduled(client, job_id, 30)
     job = _wait_state(client, job_id, {"succeeded", "failed"}, 300)
     assert job.state.value == "succeeded", (job.reason, job.failure)
     # A loss of infrastructure, not one of the job's restarts.
@@ -229,7 +240,7 @@ def test_a_lost_slurm_node_is_planned_again_without_it(
     (slurm_id,) = _slurm_jobs(slurm, job_id)
     slurm.kill_node("node2")
     try:
-        _wait_state(client, job_id, {"rescheduling"}, 90)
+        _rescheduled(client, job_id, 90)
         job = _wait_state(client, job_id, {"running"}, 180)
         # Planned again on what is left: node2 is no longer offered (the agent registered
         # the site's nodes again), and the loss is not counted as a restart.
