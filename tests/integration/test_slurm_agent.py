@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from api.job_schemas import JobPublic
+from api.job_schemas import EventPublic, JobPublic
 from cpn.client import CpnClient
 from cpn.train.report import summarise
 from tests.processes import CPN, free_port, wait_until
@@ -59,14 +59,22 @@ def _wait_state(client: CpnClient, job_id: str, states: set[str], timeout: float
     return wait_until(reached, timeout, f"job {job_id} to reach {states}")
 
 
-def _rescheduled(client: CpnClient, job_id: str, timeout: float) -> None:
-    """Wait until the job has gone RESCHEDULING (from its events: it may be planned again
-    within milliseconds, too fast to see in its state)."""
-    wait_until(
-        lambda: any(e.data.get("to") == "rescheduling" for e in client.events(job_id)),
-        timeout,
-        f"job {job_id} to go rescheduling",
-    )
+def _rescheduled(client: CpnClient, job_id: str, timeout: float) -> EventPublic:
+    """The job's first move to RESCHEDULING, once it happened (from its events: it may be
+    planned again within milliseconds, too fast to see in its state)."""
+
+    def moved() -> EventPublic | None:
+        return next(
+            (
+                e
+                for e in client.events(job_id)
+                if e.kind == "job_state" and e.data.get("to") == "rescheduling"
+            ),
+            None,
+        )
+
+    found: EventPublic = wait_until(moved, timeout, f"job {job_id} to go rescheduling")
+    return found
 
 
 def _slurm_jobs(slurm: SlurmCluster, job_id: str) -> list[str]:
@@ -147,12 +155,9 @@ def test_an_agent_restarted_within_its_lease_has_its_job_planned_again(
     job_id = client.submit(tiny_job("restarted", steps=100_000)).id
     _wait_state(client, job_id, {"running"}, 120)
     c.restart_agent("a")
-    _rescheduled(client, job_id, 60)
+    moved = _rescheduled(client, job_id, 60)
     job = client.job(job_id)
     assert job.losses == 1 and job.restarts == 0, job.reason
-    moved = next(
-        e for e in client.events(job_id) if e.kind == "job_state" and e.data["to"] == "rescheduling"
-    )
     assert "agent a-a-node restarted and no longer runs this launch" in moved.message, moved
     client.cancel(job_id)
     _wait_state(client, job_id, {"cancelled"}, 60)
@@ -215,14 +220,11 @@ def test_a_preempted_slurm_job_resumes_from_its_checkpoint_without_a_restart(
         "sbatch", "--parsable", "-p", "urgent", "--nodelist=node1", "--exclusive",
         "--time=1", f"--output={c.tmp}/urgent.out", "--wrap", "sleep 6",
     )  # fmt: skip
-    _rescheduled(client, job_id, 30)
+    moved = _rescheduled(client, job_id, 30)
     job = _wait_state(client, job_id, {"succeeded", "failed"}, 300)
     assert job.state.value == "succeeded", (job.reason, job.failure)
     # A loss of infrastructure, not one of the job's restarts.
     assert job.losses == 1 and job.restarts == 0
-    moved = next(
-        e for e in client.events(job_id) if e.kind == "job_state" and e.data["to"] == "rescheduling"
-    )
     assert f"PREEMPTED: Slurm job {victim} PREEMPTED" in moved.message, moved.message
     assert int(moved.data["checkpoint"]["step"]) == warned
     # The second epoch ran from there: every step once, in order.
@@ -240,18 +242,13 @@ def test_a_lost_slurm_node_is_planned_again_without_it(
     (slurm_id,) = _slurm_jobs(slurm, job_id)
     slurm.kill_node("node2")
     try:
-        _rescheduled(client, job_id, 90)
+        moved = _rescheduled(client, job_id, 90)
         job = _wait_state(client, job_id, {"running"}, 180)
         # Planned again on what is left: node2 is no longer offered (the agent registered
         # the site's nodes again), and the loss is not counted as a restart.
         assert job.plan is not None
         assert ("b", "node2") not in {(s.site, s.node) for s in job.plan.shards}
         assert job.losses == 1 and job.restarts == 0
-        moved = next(
-            e
-            for e in client.events(job_id)
-            if e.kind == "job_state" and e.data["to"] == "rescheduling"
-        )
         assert "node2" in moved.message or f"NODE_LOST: Slurm job {slurm_id}" in moved.message
         client.cancel(job_id)
         _wait_state(client, job_id, {"cancelled"}, 60)
