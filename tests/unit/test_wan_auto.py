@@ -14,7 +14,7 @@ from cpn.registry import Registry, apply_heartbeats, build_topology
 from cpn.registry.leases import HeartbeatRecord, LinkSample
 from cpn.registry.models import utcnow
 from cpn.scheduler import SolverSettings, plan_job
-from cpn.scheduler.wan_auto import LADDER
+from cpn.wan_schedule import rung_of
 from tests.factories import link, site, topology
 from tests.registry_factories import node, register
 
@@ -62,7 +62,7 @@ def test_auto_follows_the_measured_link(registry: Registry, gbps: float, rtt_ms:
     assert plan.compression.wan is not WanCompression.AUTO
     assert plan.problem_with(_job()) is None  # bound to the job as submitted (wan: auto)
     assert auto.wan_gbps == gbps and f"{gbps:g} Gbit/s" in auto.reason
-    rung = LADDER.index(auto.compression)
+    rung = rung_of(auto.compression)
     # The WAN bytes the plan predicts are those of the chosen sync.
     chosen = Workload.of(_job().model_copy(update={"compression": auto.compression}))
     assert plan.bytes_per_iteration.wan == chosen.dp_wan_bytes(0, 2)
@@ -80,7 +80,7 @@ def test_a_tighter_target_is_more_aggressive_and_auto_needs_a_fixed_layout() -> 
     loose = plan_job(topo, _job(target=1.0), settings=FAST)
     tight = plan_job(topo, _job(target=0.001), settings=FAST)
     assert loose.wan_auto is not None and tight.wan_auto is not None
-    assert LADDER.index(tight.compression) > LADDER.index(loose.compression)
+    assert rung_of(tight.compression) > rung_of(loose.compression)
     with pytest.raises(ValueError, match=r"compression\.wan: auto needs a fixed layout"):
         JobSpec.model_validate({**_job().model_dump(mode="json"), "parallel": "auto", "gpus": 2})
     with pytest.raises(ValueError, match="target: only meaningful with wan: auto"):
