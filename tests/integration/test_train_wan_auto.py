@@ -146,3 +146,30 @@ def test_a_measured_drop_mid_run_moves_every_rank_at_the_same_step(tmp_path: Pat
     assert _wan_bytes(records) == run_wan_bytes(
         job, job.fixed_parallel, 2, [(plan.compression, at + 1), (spec, steps - at - 1)]
     )
+
+
+def test_a_schedule_resumed_where_its_phase_changes_and_at_an_outer_step_is_exact(
+    tmp_path: Path,
+) -> None:
+    plan, _, straight = _run(tmp_path, "straight", 0.05)
+    assert plan.wan_auto is not None
+    warm, steady = plan.wan_auto.schedule()
+    last_outer = steady.start + (STEPS - steady.start) // steady.compression.outer_every * (
+        steady.compression.outer_every
+    )
+    # A stop where the warm-up ends (the checkpoint holds the first outer step's anchor),
+    # one at an outer step.
+    assert 0 < steady.start < last_outer < STEPS
+    ckpt = str(tmp_path / "ckpt")
+    parts = []
+    for name, stop in (("first", steady.start), ("second", last_outer), ("third", None)):
+        _, _, got = _run(
+            tmp_path, name, 0.05, checkpoint_store=ckpt, resume=name != "first", stop_after=stop
+        )
+        parts += got
+
+    def losses(records: list[dict[str, Any]]) -> list[tuple[int, int, float, str]]:
+        return sorted((r["step"], r["rank"], r["loss"], r["wan_sync"]) for r in records)
+
+    assert losses(parts) == losses(straight)
+    assert _wan_bytes(parts) == _wan_bytes(straight)
