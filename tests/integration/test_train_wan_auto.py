@@ -153,7 +153,7 @@ def test_a_schedule_resumed_where_its_phase_changes_and_at_an_outer_step_is_exac
 ) -> None:
     plan, _, straight = _run(tmp_path, "straight", 0.05)
     assert plan.wan_auto is not None
-    warm, steady = plan.wan_auto.schedule()
+    _, steady = plan.wan_auto.schedule()
     last_outer = steady.start + (STEPS - steady.start) // steady.compression.outer_every * (
         steady.compression.outer_every
     )
