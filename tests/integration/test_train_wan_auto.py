@@ -6,7 +6,8 @@ fast link runs dense sync throughout, the narrow one a dense fp16 warm-up and th
 steps; every metrics record names the sync that ran it, and the WAN bytes of the whole
 run equal the cost model's for the phases run (`run_wan_bytes`). A run whose agent
 rewrites the measured-links file mid-run (10 Gbit/s → 50 Mbit/s) moves to outer steps on
-every rank at the same step, with the bytes still exact.
+every rank at the same step, with the bytes still exact. A scheduled run stopped where its
+warm-up ends and at an outer step, and resumed, repeats the straight run bit for bit.
 """
 
 from __future__ import annotations
