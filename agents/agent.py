@@ -170,7 +170,9 @@ class Agent:
             backend=make_backend(config, self.hardware),
             time_limit_s=config.time_limit_s,
             on_node_lost=self.refresh_capacity,
+            links=self.links.latest,
         )
+        self.links.on_record = self.launches.publish_links
 
     # ------------------------------------------------------------------ main loop
 

@@ -41,6 +41,7 @@ from agents.status import status_file
 from agents.tasks import MAX_MESSAGE, TaskUpdate, with_metrics, with_status_line
 from cpn.train.launcher import RunFiles
 from cpn.train.tail import FileTail
+from cpn.train.wan_auto import write_links
 from proto.cpn.v1 import agent_pb2 as pb
 
 log = logging.getLogger("cpn.agent")
@@ -106,6 +107,9 @@ class LaunchManager:
     #: agent registers what its site still offers first, so that the job is not planned
     #: onto the lost node again.
     on_node_lost: Callable[[], Awaitable[None]] | None = None
+    #: The newest WAN measurement per peer site (`LinkBook.latest`), written into every
+    #: launch's run directories for `wan: auto` jobs (`publish_links`).
+    links: Callable[[], dict[str, dict[str, float]]] | None = None
     _launches: dict[str, _Launch] = field(default_factory=dict)
     #: (job, epoch) of every launch order carried out: a launch is done once per epoch.
     _epochs: set[tuple[str, int]] = field(default_factory=set)
@@ -131,6 +135,20 @@ class LaunchManager:
         return {
             (r.node, r.gpu) for run in self._launches.values() if run.running for r in run.ranks
         }
+
+    def publish_links(self) -> None:
+        """Write the newest WAN measurements into every running launch's run directories
+        (`RunFiles.wan_links`): workers of a `wan: auto` job move their WAN sync when the
+        narrowest bandwidth changes (cpn.train.wan_auto)."""
+        if self.links is None:
+            return
+        latest = self.links()
+        roots = {r.files.root for run in self._launches.values() if run.running for r in run.ranks}
+        for root in sorted(roots):
+            try:
+                write_links(RunFiles(root).wan_links, self.site, latest)
+            except OSError as exc:  # a run directory removed under us: nothing to follow
+                log.debug("cannot write %s: %s", RunFiles(root).wan_links, exc)
 
     # -- launching -------------------------------------------------------------------------
     def mine(self, order: pb.LaunchOrder) -> list[pb.RankAssignment]:
@@ -221,6 +239,7 @@ class LaunchManager:
                 self._final(followed, pb.TASK_STATE_FAILED, 127, f"cannot start: {exc}")
             return []
         self._watch(_Launch(order.job_id, handle, ranks, epoch=order.epoch))
+        self.publish_links()  # what the workers follow from their first step
         log.info(
             "job %s: ranks %s started (%s %s)",
             order.job_id,

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from agents.probe import ProbeResult
 from cpn.contracts.limits import MIN_GBPS
 from proto.cpn.v1 import agent_pb2 as pb
 
 
 class LinkBook:
-    """The newest measurement per peer site, until a heartbeat has delivered it."""
+    """The newest measurement per peer site, until a heartbeat has delivered it; and the
+    newest per peer site for good (`latest`: what running `wan: auto` jobs follow)."""
 
     def __init__(self) -> None:
         self._pending: dict[str, ProbeResult] = {}
+        self._latest: dict[str, ProbeResult] = {}
+        #: Called after each measurement (the agent writes its launches' links files).
+        self.on_record: Callable[[], None] | None = None
 
     def record(self, site: str, result: ProbeResult) -> None:
         self._pending[site] = result
+        self._latest[site] = result
+        if self.on_record is not None:
+            self.on_record()
+
+    def latest(self) -> dict[str, dict[str, float]]:
+        """The newest measurement per peer site, as `cpn.train.wan_auto` reads it."""
+        return {
+            site: {
+                "bandwidth_gbps": r.bandwidth_gbps,
+                "rtt_ms": r.rtt_ms,
+                "measured_at": r.measured_at,
+            }
+            for site, r in sorted(self._latest.items())
+        }
 
     def pending(self) -> list[pb.LinkMeasurement]:
         return [

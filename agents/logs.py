@@ -23,6 +23,9 @@ from typing import Any
 from cpn.train.tail import FileTail
 from proto.cpn.v1 import agent_pb2 as pb
 
+#: The control plane's bound on a step's `wan_sync` (cpn.control.task_output).
+MAX_WAN_SYNC = 200
+
 MAX_LINE_BYTES = 4096
 MAX_PER_REPORT = 1000
 MAX_PENDING_LINES = 10_000
@@ -66,6 +69,9 @@ def step_message(record: dict[str, Any]) -> pb.StepMetrics | None:
     loss = record.get("loss")
     if isinstance(loss, int | float):
         message.loss = float(loss)
+    wan_sync = record.get("wan_sync")
+    if isinstance(wan_sync, str):
+        message.wan_sync = wan_sync[:MAX_WAN_SYNC]
     return message
 
 

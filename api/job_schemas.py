@@ -145,6 +145,9 @@ class StepPublic(BaseModel):
     tokens_per_s: float | None
     ranks: int = Field(description="ranks that reported this step")
     bytes: dict[str, int]
+    wan_sync: str | None = Field(
+        default=None, description="the WAN sync that ran the step (wan: auto's rung)"
+    )
 
 
 class MetricsPublic(BaseModel):

@@ -223,6 +223,7 @@ async def job_metrics(
                     "intra_site": r.bytes_intra_site,
                     "wan": r.bytes_wan,
                 },
+                wan_sync=r.wan_sync,
             )
             for r in rows
         ],

@@ -72,6 +72,14 @@ RequestOpt = Annotated[
         "(a site's warning before a time limit or a preemption).",
     ),
 ]
+LinksOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--wan-links",
+        help="wan: auto — the file the site agent writes its newest WAN measurements to; "
+        "the run moves its WAN sync when the narrowest bandwidth changes.",
+    ),
+]
 StopOpt = Annotated[
     int | None,
     typer.Option("--stop-after", min=1, help="Stop at this step (default: train.steps)."),
@@ -121,6 +129,7 @@ def _options(
     metrics: Path | None = None,
     resume_from: str | None = None,
     checkpoint_request: Path | None = None,
+    wan_links: Path | None = None,
 ) -> TrainOptions:
     from cpn.errors import InputError  # noqa: PLC0415
     from cpn.train.pipeline import Schedule  # noqa: PLC0415
@@ -143,6 +152,7 @@ def _options(
         timeout_s=timeout,
         device=device,
         checkpoint_request=checkpoint_request,
+        wan_links=wan_links,
     )
 
 
@@ -190,6 +200,7 @@ def worker(
     device: DeviceOpt = None,
     sync_checkpoints: SyncCkptOpt = False,
     checkpoint_request: RequestOpt = None,
+    wan_links: LinksOpt = None,
 ) -> None:
     """Run one worker of a plan (launchers start one per GPU).
 
@@ -220,7 +231,7 @@ def worker(
     path = None if metrics is None else Path(metrics.replace("{rank}", str(me)))
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
-        device, sync_checkpoints, path, resume_from, checkpoint_request,
+        device, sync_checkpoints, path, resume_from, checkpoint_request, wan_links,
     )  # fmt: skip
     # A worker of cpn's launcher: the launcher read the checkpoint against its checksums.
     start = check_launch(
@@ -303,6 +314,7 @@ def launch(
     import shlex  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
+    from cpn.contracts.job import WanCompression  # noqa: PLC0415
     from cpn.errors import InputError  # noqa: PLC0415
     from cpn.train.launcher import Launch, RunFiles, plan_launch  # noqa: PLC0415
     from cpn.train.trainer import check_launch, nothing_to_train  # noqa: PLC0415
@@ -346,9 +358,13 @@ def launch(
         workdir.mkdir(parents=True, exist_ok=True)
         request = RunFiles(workdir.resolve()).checkpoint_request
         touch_on_signal(request)
+    links = None
+    if spec_job.compression.wan is WanCompression.AUTO:
+        # The site agent writes its WAN measurements here while the launch runs.
+        links = RunFiles(workdir.resolve()).wan_links
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,
-        device, sync_checkpoints, None, resume_from, request,
+        device, sync_checkpoints, None, resume_from, request, links,
     )  # fmt: skip
     world = spec_plan.parallel.world_size
     starts = [

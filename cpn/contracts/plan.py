@@ -12,6 +12,7 @@ data-parallel replica, then the pipeline stage, as in Megatron-LM:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -151,11 +152,22 @@ class Binding(_Model):
         )
 
 
+class WanPhase(_Model):
+    """From step `start` on, the run syncs with `compression` (rung `rung` of
+    `cpn.wan_schedule.LADDER`)."""
+
+    start: int = Field(ge=0, le=INT32_MAX)
+    rung: int = Field(ge=0, le=100)
+    compression: CompressionSpec
+
+
 class WanAutoChoice(_Model):
     """What `compression: {wan: auto}` resolved to, from the measured WAN (the scheduler's
-    `cpn.scheduler.wan_auto`)."""
+    `cpn.scheduler.wan_auto`): a schedule of phases (a dense fp16 warm-up, then the rung
+    that fits), and the figures the runtime needs to move the rung when the measured
+    bandwidth changes (`cpn.wan_schedule`)."""
 
-    compression: CompressionSpec
+    compression: CompressionSpec = Field(description="the last phase's: what placement costs")
     summary: str = Field(max_length=200, description="e.g. 'outer H=32 int8'")
     reason: str = Field(max_length=2000, description="the figures the choice rests on")
     wan_gbps: _Finite | None = None
@@ -163,6 +175,36 @@ class WanAutoChoice(_Model):
     share: _Finite | None = Field(
         default=None, description="predicted WAN sync time ÷ compute time per iteration"
     )
+    phases: list[WanPhase] = Field(
+        default_factory=list, max_length=100, description="the schedule, by start step"
+    )
+    sites: int = Field(default=1, ge=1, le=1_000_000, description="sites the exchange spans")
+    compute_s: _Finite = Field(default=0.0, ge=0, description="compute time per iteration")
+    target: _Finite = Field(default=0.1, gt=0, description="the WAN's share of compute")
+
+    @model_validator(mode="after")
+    def _a_schedule(self) -> WanAutoChoice:
+        if not self.phases:
+            return self  # a plan made before wan: auto was a schedule: one phase
+        if self.phases[0].start != 0:
+            raise ValueError(f"phases: the first starts at step 0, not {self.phases[0].start}")
+        starts = [p.start for p in self.phases]
+        if any(b <= a for a, b in itertools.pairwise(starts)):
+            raise ValueError(f"phases: start steps must increase, got {starts}")
+        for p in self.phases:
+            if p.compression.wan is WanCompression.AUTO:
+                raise ValueError(f"phases: step {p.start} says wan: auto; name the sync")
+        if self.phases[-1].compression != self.compression:
+            raise ValueError("phases: the last phase must run the choice's compression")
+        return self
+
+    def schedule(self) -> list[WanPhase]:
+        """The phases; one from step 0 for a choice recorded without them."""
+        return self.phases or [WanPhase(start=0, rung=0, compression=self.compression)]
+
+    def phase_at(self, step: int) -> WanPhase:
+        """The planned phase that runs step `step`."""
+        return [p for p in self.schedule() if p.start <= step][-1]
 
 
 class Plan(_Model):
@@ -256,6 +298,12 @@ class Plan(_Model):
             # The scheduler resolved `auto` from the measured links: the plan runs that.
             if self.wan_auto is None or self.compression != self.wan_auto.compression:
                 return "compression: the job says wan: auto, but the plan has no choice for it"
+            last = self.wan_auto.schedule()[-1].start
+            if last >= train.steps:
+                return (
+                    f"wan_auto.phases: a phase starts at step {last}, but the job trains "
+                    f"{train.steps} steps"
+                )
         elif self.compression != job.compression:
             mine, theirs = (
                 c.model_dump(mode="json", exclude_none=True)

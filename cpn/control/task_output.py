@@ -20,6 +20,8 @@ MAX_LINE_BYTES = 4096
 #: Beyond any real run, and inside every database's BIGINT.
 MAX_STEP = 2**53
 MAX_BYTES = 2**62
+#: A WAN sync's summary ("outer H=128 topk 0.01") is far shorter.
+MAX_WAN_SYNC = 200
 
 
 def steps(request: pb.ReportTaskStatusRequest) -> tuple[StepRecord, ...]:
@@ -38,7 +40,12 @@ def steps(request: pb.ReportTaskStatusRequest) -> tuple[StepRecord, ...]:
                 raise InvalidField(f"{where}.bytes.{name}", f"at most {MAX_BYTES}")
         # A non-finite loss is news (the run diverged) but cannot be summed: kept as absent.
         loss = s.loss if s.HasField("loss") and math.isfinite(s.loss) else None
-        out.append(StepRecord(s.step, loss, s.seconds, *sent))
+        wan_sync = s.wan_sync if s.HasField("wan_sync") else None
+        if wan_sync is not None and len(wan_sync) > MAX_WAN_SYNC:
+            raise InvalidField(f"{where}.wan_sync", f"at most {MAX_WAN_SYNC} characters")
+        if wan_sync is not None:
+            wan_sync = wan_sync.replace("\x00", "")  # PostgreSQL text holds no NUL
+        out.append(StepRecord(s.step, loss, s.seconds, *sent, wan_sync=wan_sync))
     return tuple(out)
 
 

@@ -31,6 +31,8 @@ class StepRecord:
     bytes_intra_node: int
     bytes_intra_site: int
     bytes_wan: int
+    #: The WAN sync that ran the step (`wan_sync` of the worker's record), if reported.
+    wan_sync: str | None = None
 
 
 def record_task_output(
@@ -88,6 +90,8 @@ def _record_steps(session: Session, task: Task, steps: Sequence[StepRecord]) -> 
         row.bytes_intra_node += s.bytes_intra_node
         row.bytes_intra_site += s.bytes_intra_site
         row.bytes_wan += s.bytes_wan
+        if s.wan_sync is not None:  # every rank runs the same sync at a step
+            row.wan_sync = s.wan_sync
         row.at = now
     task.metrics_steps = fresh[-1].step + 1
 

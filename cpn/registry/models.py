@@ -466,6 +466,8 @@ class JobStep(Base):
     bytes_intra_node: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_intra_site: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_wan: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: The WAN sync that ran the step ("fp16", "outer H=32 int8"): wan: auto's rung.
+    wan_sync: Mapped[str | None] = mapped_column(String(200), nullable=True, default=None)
     at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

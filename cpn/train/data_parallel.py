@@ -64,9 +64,23 @@ class DataParallelSync:
         mode: DpSync = "hierarchical",
         bucket_elements: int = wire.DEFAULT_BUCKET_ELEMENTS,
     ) -> None:
+        # Collective: every worker builds the groups of every data-parallel group (once:
+        # a `switch` of `wan: auto` reuses them).
+        self._groups = build_site_groups(layout.site_of_rank, layout.dp_groups, timeout=timeout)
+        self._layout, self._mode = layout, mode
+        self._common: dict[str, Any] = {
+            "site_groups": self._groups,
+            "wire_dtype": wire_dtype,
+            "bucket_elements": bucket_elements,
+            "timeout": timeout,
+            "traffic": traffic,
+        }
+        self._params: list[torch.Tensor] = []
+        self._configure(job)
+
+    def _configure(self, job: JobSpec) -> None:
+        layout, mode, common = self._layout, self._mode, self._common
         par = layout.plan.parallel
-        # Collective: every worker builds the groups of every data-parallel group.
-        groups = build_site_groups(layout.site_of_rank, layout.dp_groups, timeout=timeout)
         comp = job.compression
         wan = comp.wan
         self.outer = mode == "hierarchical" and wan is WanCompression.OUTER
@@ -78,13 +92,6 @@ class DataParallelSync:
         self.sparse_positions = [i for i, p in enumerate(shapes) if not whole_dense or p.sharded]
         self.dense_positions = [i for i, p in enumerate(shapes) if whole_dense and not p.sharded]
         self.numels = [p.numel for p in shapes]
-        common: dict[str, Any] = {
-            "site_groups": groups,
-            "wire_dtype": wire_dtype,
-            "bucket_elements": bucket_elements,
-            "timeout": timeout,
-            "traffic": traffic,
-        }
         if mode == "flat":
             self.main = WanSyncState(
                 layout.site_of_rank, compression="none", hierarchy="flat", **common
@@ -110,9 +117,25 @@ class DataParallelSync:
         #: Under `wan: outer`, the outer steps of `main` and `whole` (`attach`).
         self.outer_steps: list[OuterStep] = []
 
+    def switch(self, job: JobSpec) -> None:
+        """Run `job`'s compression from the next step on (`wan: auto` moving its rung).
+        Only at an outer boundary, where every replica holds the same parameters: a new
+        outer step takes them as its anchor. The outer error feedback is carried over
+        when both syncs keep one over the same parameters; the step counters of the
+        per-step state start again (they only drive top-k's density warm-up)."""
+        if not self.at_outer_boundary:
+            raise RuntimeError("dp sync: a switch of the WAN sync between outer steps")
+        old = self.outer_steps
+        self._configure(job)
+        self.attach(self._params)
+        for before, after in zip(old, self.outer_steps, strict=False):
+            if before.feedback and after.feedback and len(before.params) == len(after.params):
+                after.residuals = before.residuals
+
     def attach(self, params: Sequence[torch.Tensor]) -> None:
         """Give the outer steps the stage's parameters (module order), once, before the
         first step; nothing to do unless `wan: outer`."""
+        self._params = list(params)
         if not self.outer:
             return
         comp = self._job.compression

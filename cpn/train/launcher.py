@@ -95,6 +95,11 @@ class RunFiles:
         """Touched to ask the node's workers for a checkpoint (checkpoint_request.py)."""
         return self.root / "checkpoint-request"
 
+    @property
+    def wan_links(self) -> Path:
+        """wan: auto — the site agent's newest WAN measurements (cpn.train.wan_auto)."""
+        return self.root / "wan-links.json"
+
     def stdout(self, rank: int) -> Path:
         return self.root / f"rank-{rank}.out"
 
@@ -225,6 +230,8 @@ def worker_argv(plan: Path, job: Path, opts: TrainOptions, metrics: str) -> list
         args += ["--device", opts.device]
     if opts.checkpoint_request is not None:
         args += ["--checkpoint-request", str(opts.checkpoint_request)]
+    if opts.wan_links is not None:
+        args += ["--wan-links", str(opts.wan_links)]
     return args
 
 

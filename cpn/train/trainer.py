@@ -49,6 +49,7 @@ from cpn.train.model import GPTConfig, GPTStage
 from cpn.train.parallelize import TensorParallel, parallelize, shard_layouts
 from cpn.train.pipeline import PipelineStage, Schedule, StepTimes
 from cpn.train.snapshot import WorkerSnapshot
+from cpn.train.wan_auto import WanAutoRun
 
 log = logging.getLogger("cpn.train")
 
@@ -75,6 +76,9 @@ class TrainOptions:
     #: A file whose newer mtime asks for a checkpoint soon (the site's warning before a
     #: time limit or a preemption: cpn.train.checkpoint_request); None: no such requests.
     checkpoint_request: Path | None = None
+    #: `wan: auto` — the file the site agent writes its newest WAN measurements to
+    #: (`cpn.train.wan_auto`); None: the run follows the plan's schedule as planned.
+    wan_links: Path | None = None
 
 
 def check_launch(
@@ -178,11 +182,21 @@ def learning_rate(base: float, step: int, total: int) -> float:
 
 class Trainer:
     def __init__(self, plan: Plan, job: JobSpec, rank: int, opts: TrainOptions) -> None:
+        #: wan: auto with a schedule to follow (hierarchical sync only: flat is DDP's).
+        self.auto_schedule = (
+            job.compression.wan is WanCompression.AUTO
+            and plan.wan_auto is not None
+            and opts.dp_sync == "hierarchical"
+        )
         if job.compression.wan is WanCompression.AUTO:
-            # The scheduler chose the WAN sync from the measured links; the plan says which.
+            # The scheduler chose the WAN sync from the measured links; the plan says which
+            # (the steady rung here; `train` starts the schedule's phase of its first step).
             job = job.model_copy(update={"compression": plan.compression})
             if plan.wan_auto is not None and rank == 0:
-                log.info("wan: auto chose %s: %s", plan.wan_auto.summary, plan.wan_auto.reason)
+                phases = ", ".join(
+                    f"{p.compression.summary} from step {p.start}" for p in plan.wan_auto.schedule()
+                )
+                log.info("wan: auto chose %s: %s", phases, plan.wan_auto.reason)
         self.plan, self.job, self.rank, self.opts = plan, job, rank, opts
         self.layout = Layout(plan, rank)
         self.traffic = Traffic()
@@ -344,6 +358,8 @@ class Trainer:
         history: list[dict[str, Any]] = []
         every = self.opts.checkpoint_every
         asked = self._asked()
+        auto = self._wan_auto(start_step)
+        running = job.compression if auto is None else auto.current
         with self._metrics_sink() as sink:
             for step in range(start_step, end):
                 self.traffic.step = step
@@ -373,6 +389,18 @@ class Trainer:
                 if done == total:
                     outer = self.sync.finish() or outer
                 times.dp_sync += time.perf_counter() - outer_start
+                ran, switch, rung = running, None, 0
+                if auto is not None:
+                    rung = auto.rung
+                    switch = auto.after_step(step, self.sync.at_outer_boundary)
+                    if switch is not None:
+                        self.sync.switch(job.model_copy(update={"compression": switch.after}))
+                        running = switch.after
+                        if self.rank == 0:
+                            log.info(
+                                "step %d: wan: auto moves from %s to %s (%s)",
+                                done, switch.before.summary, switch.after.summary, switch.why,
+                            )  # fmt: skip
                 after = self.traffic.snapshot()
                 record = {
                     "step": step,
@@ -385,7 +413,7 @@ class Trainer:
                     "loss": loss,
                     "skipped": skipped,
                     "outer_step": outer,
-                    "wan_sync": job.compression.summary,
+                    "wan_sync": ran.summary,
                     "tokens": len(batches) * job.train.micro_batch * job.model.seq_len,
                     "seconds": {
                         "step": time.perf_counter() - began,
@@ -395,6 +423,10 @@ class Trainer:
                     },
                     "bytes": {k: after[k] - before[k] for k in after},
                 }
+                if auto is not None:
+                    record["wan_rung"] = rung
+                    if switch is not None:  # from the next step on
+                        record["wan_switch"] = switch.record()
                 history.append(record)
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")
@@ -422,7 +454,23 @@ class Trainer:
                     self._finish_checkpoint()  # COMPLETE once written, not at the next save
         if asked is not None:
             asked.close()
+        if auto is not None:
+            auto.close()
         return history
+
+    def _wan_auto(self, start_step: int) -> WanAutoRun | None:
+        """wan: auto — the schedule, its phase of `start_step` in place (collective: the
+        flag that agrees on the measured bandwidth, when the run follows a links file)."""
+        if not self.auto_schedule:
+            return None
+        auto = WanAutoRun.of(
+            self.plan, self.job, self.layout.me.site, self.opts.wan_links, self.device,
+            self.traffic,
+        )  # fmt: skip
+        first = auto.start(start_step)
+        if first != self.job.compression:
+            self.sync.switch(self.job.model_copy(update={"compression": first}))
+        return auto
 
     def _asked(self) -> _SiteAsks | None:
         path = self.opts.checkpoint_request

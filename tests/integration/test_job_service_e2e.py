@@ -132,3 +132,21 @@ def test_queue_priority_and_cancel(three_sites: Cluster) -> None:
     assert done_high.scheduled_at <= done_low.scheduled_at
     moves = [e.data["to"] for e in client.events(long_job.id) if e.kind == "job_state"]
     assert moves[-1] == "cancelled"
+
+
+def test_wan_auto_names_its_sync_in_the_jobs_metrics(three_sites: Cluster) -> None:
+    """A `wan: auto` job: every step of GET /v1/jobs/{id}/metrics says which WAN sync ran
+    it; the first two run the plan's schedule (the ranks agree on a measured bandwidth one
+    step after the first exchange, so no move can come earlier)."""
+    key = make_key(three_sites.db_url, "carol")
+    client = three_sites.client(key)
+    job = client.submit(tiny_job("auto-e2e", dp=2, pp=1, steps=6, compression={"wan": "auto"}))
+    done = _wait_state(client, job.id, {"succeeded", "failed"}, 240)
+    assert done.state.value == "succeeded", (done.reason, done.failure)
+    assert done.plan is not None and done.plan.wan_auto is not None
+    schedule = done.plan.wan_auto
+    series = client.metrics(job.id)
+    assert [s.step for s in series.steps] == list(range(6))
+    ran = [s.wan_sync for s in series.steps]
+    assert ran[:2] == [schedule.phase_at(s).compression.summary for s in range(2)]
+    assert all(isinstance(name, str) and name for name in ran), ran

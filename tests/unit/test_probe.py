@@ -5,13 +5,21 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
+from agents.backends import Handle
+from agents.launches import LaunchManager, _Launch, _Rank
 from agents.links import LinkBook
 from agents.probe import MAX_TRANSFER_BYTES, ProbeResult, ProbeServer, measure
+from agents.tasks import TaskUpdate
 from cpn.contracts.limits import MIN_GBPS
+from cpn.train.launcher import RunFiles
+from cpn.train.tail import FileTail
+from cpn.train.wan_auto import read_narrowest
+from proto.cpn.v1 import agent_pb2 as pb
 
 T = TypeVar("T")
 
@@ -59,3 +67,29 @@ def test_a_link_slower_than_the_protocol_floor_is_reported_down() -> None:
         ("b", 0.0),
         ("c", MIN_GBPS),
     ]
+
+
+def test_measurements_reach_the_run_directories_of_running_launches(tmp_path: Path) -> None:
+    """What `wan: auto` workers follow: the agent writes its newest measurement per peer
+    site into every running launch's run directory after each probe."""
+    book = LinkBook()
+    launches = LaunchManager("a", "a0", tmp_path, report=lambda _: None, links=book.latest)
+    book.on_record = launches.publish_links
+    files = RunFiles(tmp_path / "job-1")
+    files.root.mkdir()
+    update = TaskUpdate(job_id="job-1", rank=0, state=pb.TASK_STATE_RUNNING)
+    rank = _Rank(
+        0, "a0", 0, files, FileTail(files.metrics(0)), FileTail(tmp_path / "s"),
+        FileTail(files.log(0)), update,
+    )  # fmt: skip
+    handle = Handle("job-1", 0, "1", files.root)
+    launches._launches["job-1"] = _Launch("job-1", handle, [rank])
+    ended = RunFiles(tmp_path / "job-0")
+    ended.root.mkdir()
+    book.record("b", ProbeResult(bandwidth_gbps=10.0, rtt_ms=2.0, measured_at=1.0))
+    assert read_narrowest(files.wan_links, {"b", "c"}) == 10.0
+    book.record("c", ProbeResult(bandwidth_gbps=0.05, rtt_ms=40.0, measured_at=2.0))
+    assert read_narrowest(files.wan_links, {"b", "c"}) == 0.05
+    assert read_narrowest(files.wan_links, {"b"}) == 10.0  # only the job's sites count
+    assert read_narrowest(files.wan_links, {"d"}) is None
+    assert not ended.wan_links.exists()  # not a running launch's

@@ -1,11 +1,13 @@
-"""What a task status's log lines become before they are stored: one line each."""
+"""What a task status's log lines and steps become before they are stored: one line
+each; a step keeps the WAN sync that ran it."""
 
 from __future__ import annotations
 
 import pytest
 
+from agents.logs import step_message
 from cpn.control.errors import InvalidField
-from cpn.control.task_output import MAX_LINE_BYTES, log_lines
+from cpn.control.task_output import MAX_LINE_BYTES, MAX_WAN_SYNC, log_lines, steps
 from proto.cpn.v1 import agent_pb2 as pb
 
 
@@ -28,3 +30,16 @@ def test_dropped_lines_are_said_and_long_lines_refused() -> None:
     )
     with pytest.raises(InvalidField, match=r"log_lines\[1\]"):
         log_lines(pb.ReportTaskStatusRequest(log_lines=["ok", "y" * (MAX_LINE_BYTES + 1)]))
+
+
+def test_a_step_carries_the_wan_sync_that_ran_it() -> None:
+    record = {"step": 4, "loss": 2.0, "seconds": {"step": 0.5}, "bytes": {"wan": 8}}
+    plain = step_message(record)
+    auto = step_message({**record, "wan_sync": "outer H=32 int8"})
+    assert plain is not None and auto is not None
+    request = pb.ReportTaskStatusRequest(steps=[plain, auto])
+    assert [s.wan_sync for s in steps(request)] == [None, "outer H=32 int8"]
+    assert [s.bytes_wan for s in steps(request)] == [8, 8]
+    long = pb.StepMetrics(step=1, wan_sync="x" * (MAX_WAN_SYNC + 1))
+    with pytest.raises(InvalidField, match=r"steps\[0\]\.wan_sync"):
+        steps(pb.ReportTaskStatusRequest(steps=[long]))

@@ -918,12 +918,15 @@ class StepMetrics(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
+    WAN_SYNC_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """0-based"""
     loss: _builtins.float
     """absent on ranks that do not compute the loss"""
     seconds: _builtins.float
     """wall time of the step on this rank"""
+    wan_sync: _builtins.str
+    """The WAN sync that ran the step (e.g. "fp16", "outer H=32 int8"): what wan: auto chose."""
     @_builtins.property
     def bytes(self) -> Global___LinkBytes:
         """bytes this rank sent during the step, by link class"""
@@ -935,14 +938,20 @@ class StepMetrics(_message.Message):
         loss: _builtins.float | None = ...,
         seconds: _builtins.float = ...,
         bytes: Global___LinkBytes | None = ...,
+        wan_sync: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "bytes", b"bytes", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "_wan_sync", b"_wan_sync", "bytes", b"bytes", "loss", b"loss", "wan_sync", b"wan_sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "bytes", b"bytes", "loss", b"loss", "seconds", b"seconds", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_loss", b"_loss", "_wan_sync", b"_wan_sync", "bytes", b"bytes", "loss", b"loss", "seconds", b"seconds", "step", b"step", "wan_sync", b"wan_sync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    _WhichOneofReturnType__wan_sync: _TypeAlias = _typing.Literal["wan_sync"]  # noqa: Y015
+    _WhichOneofArgType__wan_sync: _TypeAlias = _typing.Literal["_wan_sync", b"_wan_sync"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__wan_sync) -> _WhichOneofReturnType__wan_sync | None: ...
 
 Global___StepMetrics: _TypeAlias = StepMetrics  # noqa: Y015
 
