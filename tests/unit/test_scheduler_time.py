@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
+from ortools.sat.python import cp_model
 
 from cpn.contracts import JobSpec, ShardPlacement, Topology
 from cpn.costmodel import Workload
@@ -19,6 +20,7 @@ from cpn.scheduler.instance import Instance, build_instance
 from cpn.scheduler.realize import Counts, complete_flows, counts_of, evaluate_shards, realize
 from cpn.scheduler.solve import _starting_points, objective_key
 from cpn.scheduler.time_bound import iteration_time_bound, peel
+from cpn.scheduler.time_decision import decision_model
 from cpn.scheduler.time_flows import balanced_flows
 from cpn.synthetic import benchmark_job, generate_topology
 from tests.factories import job, link, site, topology
@@ -169,3 +171,39 @@ def test_the_bound_is_below_every_constructed_plan_on_generated_networks(
     for ev in plans:
         assert bound.shared_sync <= ev.dp_sync * (1 + 1e-9)
         assert bound.seconds <= ev.iteration_seconds
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_cases(), st.data())
+def test_an_infeasible_decision_model_is_a_proof(
+    case: tuple[Topology, JobSpec], data: st.DataObject
+) -> None:
+    # INFEASIBLE at (d, B) claims: every placement with sync D ≤ d has (m + pp − 1)·slot,
+    # i.e. its iteration time less D, above B − d. Enumeration finds the placement with
+    # D ≤ d and the least such time; wherever it meets B − d the model must be feasible,
+    # over all stages and over any consecutive range of them.
+    found = _time_optimum(case)
+    assume(found is not None)
+    assert found is not None
+    inst, optimal, _ = found
+    own_sync = evaluate_shards(inst, realize(inst, optimal)).dp_sync
+    sync = own_sync * data.draw(st.sampled_from([1.0, 1.5, 3.0])) * (1 + 1e-9)
+    best = brute_force(
+        inst, lambda ev: (float(ev.dp_sync > sync), ev.iteration_seconds - ev.dp_sync)
+    )
+    assert best is not None and best[1].dp_sync <= sync
+    least = best[1].iteration_seconds - best[1].dp_sync
+    target = sync + least * data.draw(st.sampled_from([0.8, 0.95, 1.0 + 1e-9, 1.2]))
+    first = data.draw(st.integers(0, inst.pp - 1))
+    last = data.draw(st.integers(first, inst.pp - 1))
+    for stages in (range(inst.pp), range(first, last + 1)):
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        status = solver.solve(decision_model(inst, sync, target, stages))
+        assert status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        if target - sync >= least:
+            assert status == cp_model.OPTIMAL
+        else:  # how often the relaxed model proves what enumeration sees
+            event(
+                f"{len(stages)} of {inst.pp} stages, below the least: {solver.status_name(status)}"
+            )
