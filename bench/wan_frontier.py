@@ -431,7 +431,7 @@ def chart(report: Report, path: Path) -> None:
             "s" if p.key.endswith("ddp") else "o" if p.key.startswith("outer")
             else "D" if p.key.startswith("torchft") else "^"
         )  # fmt: skip
-        colour = "tab:red" if uses_sgd(p.key) else "tab:green" if "torchft" in p.key else None
+        colour = "tab:red" if uses_sgd(p.key) else "tab:green" if "torchft" in p.key else "tab:blue"
         ax.errorbar(
             p.wan_bytes_per_step,
             mean,
@@ -440,15 +440,17 @@ def chart(report: Report, path: Path) -> None:
             capsize=3,
             color=colour,
         )
-        ax.annotate(p.key, (p.wan_bytes_per_step, mean), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")  # fmt: skip
+        below = p.key == "sgd-ddp"  # it shares DDP's point (same bytes, 0 %)
+        ax.annotate(p.key, (p.wan_bytes_per_step, mean), fontsize=7,
+                    xytext=(4, -10 if below else 3), textcoords="offset points")  # fmt: skip
     ax.axhline(2.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("WAN bytes per step, whole run (log)")
     ax.set_ylabel("final eval loss vs DDP, % (mean; bars: seeds' range)")
     if any(uses_sgd(p.key) for p in report.points):
         ax.text(
-            0.01, 0.98, "red: SGD (vs SGD's DDP); green: torchft; others: AdamW (vs AdamW's DDP)",
+            0.01, 0.98, "blue: cpn, AdamW; green: torchft, AdamW (both vs AdamW's DDP); "
+            "red: SGD (vs SGD's DDP)",
             transform=ax.transAxes, fontsize=7, va="top",
         )  # fmt: skip
     ax.set_title(textwrap.fill(headline(report), 130), fontsize=7)
