@@ -19,8 +19,7 @@ WAN bytes: torchft's pseudo-gradient all-reduce is counted as it is issued
 (`Manager.allreduce`, wrapped): for each tensor, what this member sends in a ring
 all-reduce among the participants (`cpn.wire.ring_allreduce_bytes`, the convention DDP's
 bytes follow; every member of that ring is at another site). torchft's control traffic —
-quorum and commit RPCs to the lighthouse and the managers, a few hundred bytes per outer
-step — is not counted.
+quorum and commit RPCs to the lighthouse and the managers — is not counted.
 """
 
 from __future__ import annotations
