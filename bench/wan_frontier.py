@@ -21,7 +21,15 @@ the final eval loss (rank 0, fixed held-out windows). Configurations:
     int4 or top-k (`topk1`: 1 %, `topk10`: 10 %), any H;
   - `outer<H>-<values>-avg`: the same with plain model averaging as the outer step
     (outer lr 1, no momentum), which does better than DiLoCo's outer SGD in runs with
-    few outer steps (bench/README.md).
+    few outer steps (bench/README.md);
+  - `sgd-ddp`, `sgd-dgc-topk<percent>` (e.g. `sgd-dgc-topk0.1`): the other optimiser,
+    `bench/wan_sync.py`'s default set-up — momentum SGD (peak lr 0.1, momentum 0.9,
+    clipping at 1.0) under DDP, and plain SGD with DGC's momentum correction and local
+    clipping in the sync under per-step top-k; compared with `sgd-ddp` of the same seed;
+  - `torchft-diloco<H>`: torchft's DiLoCo (`bench/torchft_peer.py`; fp32 pseudo-gradients
+    every H steps, Nesterov outer SGD 0.7 / 0.9) on the same model, tokens, sites and
+    seeds, if torchft is installed (it is optional: without it these keys are skipped,
+    and said so).
 
 The table gives per configuration the bytes, DDP ÷ bytes, the eval loss (mean and range
 over seeds) and its excess over DDP's in each seed (same seed); "≤ 2 %" says whether
@@ -57,6 +65,7 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torchft_peer
 from wan_sync import (
     LEARNING_RATES,
     SITES,
@@ -69,7 +78,7 @@ from wan_sync import (
     site_of_rank,
 )
 
-from cpn.emulated_wan import EmulatedWan
+from cpn.emulated_wan import DEFAULT_PREFIX, SUBNET, EmulatedWan
 
 OUTER_VALUES = {
     "fp16": ("fp16", 1.0),
@@ -79,6 +88,8 @@ OUTER_VALUES = {
     "topk1": ("topk", 0.01),
 }
 OUTER_KEY = re.compile(r"outer(\d+)-(" + "|".join(OUTER_VALUES) + r")(-avg)?")
+SGD_DGC_KEY = re.compile(r"sgd-dgc-topk(\d+(?:\.\d+)?)")
+TORCHFT_KEY = re.compile(r"torchft-diloco(\d+)")
 
 
 def outer_config(key: str) -> SyncConfig | None:
@@ -99,6 +110,52 @@ def outer_config(key: str) -> SyncConfig | None:
     return SyncConfig(key, name, "outer", density, every, value)
 
 
+def sgd_dgc_config(key: str) -> SyncConfig | None:
+    """`sgd-dgc-topk<percent>`: per-step top-k at that density (0 < percent ≤ 100) under
+    SGD with DGC's momentum correction; None if `key` is not of that form."""
+    m = SGD_DGC_KEY.fullmatch(key)
+    if m is None or not 0 < float(m[1]) <= 100:
+        return None
+    return SyncConfig(key, f"SGD-DGC top-k {m[1]} %", "topk", float(m[1]) / 100)
+
+
+def torchft_config(key: str) -> SyncConfig | None:
+    """`torchft-diloco<H>`: torchft's DiLoCo with H ≥ 1 inner steps per outer step; None
+    if `key` is not of that form."""
+    m = TORCHFT_KEY.fullmatch(key)
+    if m is None or int(m[1]) < 1:
+        return None
+    return SyncConfig(
+        key, f"torchft DiLoCo H={int(m[1])} fp32", "torchft", every=int(m[1]), values="fp32"
+    )
+
+
+def config_of(key: str) -> SyncConfig | None:
+    """The configuration a parametrised key names (outer, SGD-DGC, torchft), or None."""
+    for parse in (outer_config, sgd_dgc_config, torchft_config):
+        config = parse(key)
+        if config is not None:
+            return config
+    return None
+
+
+def uses_sgd(key: str) -> bool:
+    """Whether `key` trains with SGD (`bench/wan_sync.py`'s DGC set-up), not AdamW."""
+    return key.startswith("sgd-")
+
+
+def baseline_of(key: str) -> str:
+    """The DDP run each configuration is compared with: its own optimiser's."""
+    return "sgd-ddp" if uses_sgd(key) else "ddp"
+
+
+def setup_for(key: str, setup: Setup) -> Setup:
+    """`setup` with the optimiser `key` trains with."""
+    if uses_sgd(key):
+        return replace(setup, optimizer="sgd", lr=LEARNING_RATES["sgd"])
+    return setup
+
+
 def _configs() -> list[SyncConfig]:
     out = [
         SyncConfig("ddp", "DDP flat ring fp32", None),
@@ -111,6 +168,7 @@ def _configs() -> list[SyncConfig]:
         SyncConfig("int4", "hierarchical int4", "int4"),
         SyncConfig("topk1", "hierarchical top-k 1 %", "topk", 0.01),
         SyncConfig("topk01", "hierarchical top-k 0.1 %", "topk", 0.001),
+        SyncConfig("sgd-ddp", "SGD: DDP flat ring fp32", None),
     ]
     for every in (8, 32, 128):
         for key in OUTER_VALUES:
@@ -124,17 +182,18 @@ CONFIGS = _configs()
 
 
 class _Configs(dict[str, SyncConfig]):
-    """The named configurations, and any `outer<H>-<values>[-avg]` on demand."""
+    """The named configurations, and any `outer<H>-<values>[-avg]`, `sgd-dgc-topk<percent>`
+    or `torchft-diloco<H>` on demand."""
 
     def __missing__(self, key: str) -> SyncConfig:
-        config = outer_config(key)
+        config = config_of(key)
         if config is None:
             raise KeyError(key)
         self[key] = config
         return config
 
     def __contains__(self, key: object) -> bool:
-        return super().__contains__(key) or (isinstance(key, str) and outer_config(key) is not None)
+        return super().__contains__(key) or (isinstance(key, str) and config_of(key) is not None)
 
 
 BY_KEY = _Configs({c.key: c for c in CONFIGS})
@@ -169,9 +228,10 @@ class Point:
     wan_bytes_per_step: float  # whole run, mean over seeds (equal between seeds)
     ddp_over_this: float
     eval_loss: list[float]  # by seed
-    vs_ddp: list[float]  # eval loss ÷ DDP's (same seed) − 1, by seed
+    vs_ddp: list[float]  # eval loss ÷ its baseline DDP's (same seed) − 1, by seed
     within_2pct: bool
     wall_s: float
+    baseline: str = "ddp"  # the DDP run it is compared with (same optimiser)
 
 
 @dataclass
@@ -211,20 +271,26 @@ def run_all(
                 report.setup["parameters"] = row["parameters"]
                 if row["key"] in keys and row["seed"] in seeds:
                     loads.extend(row.get("load", []))
+    fingerprints = {k: json.dumps(asdict(setup_for(k, setup)), sort_keys=True) for k in keys}
+    if runs_file is not None and runs_file.exists():  # SGD runs: their own setup's rows
+        for line in runs_file.read_text().splitlines():
+            row = json.loads(line)
+            if uses_sgd(row["key"]) and row["setup"] == fingerprints.get(row["key"]):
+                results[row["key"], row["seed"]] = tuple(row["result"])
+                if row["seed"] in seeds:
+                    loads.extend(row.get("load", []))
     jobs = [(BY_KEY[k], s) for s in seeds for k in keys if (k, s) not in results]
 
     def one(job: tuple[SyncConfig, int]) -> None:
         config, seed = job
         began = time.monotonic()
         load_before = os.getloadavg()[0]
-        run = launch(
-            config,
-            replace(setup, seed=seed),
-            setup.steps,
-            setup.warmup,
-            None,
-            tmp / f"{config.key}-s{seed}",
-        )
+        this = replace(setup_for(config.key, setup), seed=seed)
+        where = tmp / f"{config.key}-s{seed}"
+        if config.compression == "torchft":
+            run = torchft_peer.launch(config, this, where)
+        else:
+            run = launch(config, this, setup.steps, setup.warmup, None, where)
         result = (
             wan_per_step(config, run),
             float(run.ranks[0]["eval_loss"]),
@@ -233,7 +299,12 @@ def run_all(
         results[config.key, seed] = result
         report.setup["parameters"] = run.ranks[0]["parameters"]
         if runs_file is not None:
-            row = {"setup": fingerprint, "key": config.key, "seed": seed, "result": result}
+            row = {
+                "setup": fingerprints[config.key],
+                "key": config.key,
+                "seed": seed,
+                "result": result,
+            }
             row["parameters"] = run.ranks[0]["parameters"]
             row["load"] = [load_before, os.getloadavg()[0]]
             with runs_file.open("a") as f:
@@ -255,7 +326,8 @@ def run_all(
         config = BY_KEY[key]
         wan = statistics.fmean(results[key, s][0] for s in seeds)
         losses = [results[key, s][1] for s in seeds]
-        vs = [results[key, s][1] / results["ddp", s][1] - 1 for s in seeds]
+        base = baseline_of(key)
+        vs = [results[key, s][1] / results[base, s][1] - 1 for s in seeds]
         report.points.append(
             Point(
                 key=key,
@@ -267,17 +339,24 @@ def run_all(
                 vs_ddp=vs,
                 within_2pct=all(v <= 0.02 for v in vs),
                 wall_s=sum(results[key, s][2] for s in seeds),
+                baseline=base,
             )
         )
-    good = [p for p in report.points if p.key != "ddp" and p.within_2pct]
-    if good:
-        best = max(good, key=lambda p: p.ddp_over_this)
-        report.best = {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
+    report.best = best_point(report.points)
     report.setup["load"].append(os.getloadavg()[0])
     if loads:  # runs reused from `runs_file`: the load while they ran, not (only) now
         every = [*loads, *(report.setup["load"] if jobs else [])]
         report.setup["load"] = [min(every), max(every)]
     return report
+
+
+def best_point(points: Sequence[Point]) -> dict[str, Any] | None:
+    """The fewest WAN bytes within 2 % of its DDP in every seed (baselines left out)."""
+    good = [p for p in points if p.key not in ("ddp", "sgd-ddp") and p.within_2pct]
+    if not good:
+        return None
+    best = max(good, key=lambda p: p.ddp_over_this)
+    return {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
 
 
 def _bytes(n: float) -> str:
@@ -310,7 +389,7 @@ COLUMNS = (
     "WAN/step (whole run)",
     "DDP ÷ this",
     "eval loss (range)",
-    "vs DDP by seed",
+    "vs DDP by seed (same optimiser)",
     "≤ 2 %",
 )
 
@@ -348,20 +427,32 @@ def chart(report: Report, path: Path) -> None:
     for p in report.points:
         mean = statistics.fmean(p.vs_ddp) * 100
         lo, hi = min(p.vs_ddp) * 100, max(p.vs_ddp) * 100
-        marker = "s" if p.key == "ddp" else "o" if p.key.startswith("outer") else "^"
+        marker = (
+            "s" if p.key.endswith("ddp") else "o" if p.key.startswith("outer")
+            else "D" if p.key.startswith("torchft") else "^"
+        )  # fmt: skip
+        colour = "tab:red" if uses_sgd(p.key) else "tab:green" if "torchft" in p.key else "tab:blue"
         ax.errorbar(
             p.wan_bytes_per_step,
             mean,
             yerr=[[mean - lo], [hi - mean]],
             fmt=marker,
             capsize=3,
+            color=colour,
         )
-        ax.annotate(p.key, (p.wan_bytes_per_step, mean), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")  # fmt: skip
+        below = p.key == "sgd-ddp"  # it shares DDP's point (same bytes, 0 %)
+        ax.annotate(p.key, (p.wan_bytes_per_step, mean), fontsize=7,
+                    xytext=(4, -10 if below else 3), textcoords="offset points")  # fmt: skip
     ax.axhline(2.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("WAN bytes per step, whole run (log)")
     ax.set_ylabel("final eval loss vs DDP, % (mean; bars: seeds' range)")
+    if any(uses_sgd(p.key) for p in report.points):
+        ax.text(
+            0.01, 0.98, "blue: cpn, AdamW; green: torchft, AdamW (both vs AdamW's DDP); "
+            "red: SGD (vs SGD's DDP)",
+            transform=ax.transAxes, fontsize=7, va="top",
+        )  # fmt: skip
     ax.set_title(textwrap.fill(headline(report), 130), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -388,11 +479,14 @@ def merge(paths: Sequence[Path]) -> Report:
             if point["key"] not in seen:
                 seen.add(point["key"])
                 report.points.append(Point(**point))
-    good = [p for p in report.points if p.key != "ddp" and p.within_2pct]
-    if good:
-        best = max(good, key=lambda p: p.ddp_over_this)
-        report.best = {"key": best.key, "ddp_over_this": best.ddp_over_this, "vs_ddp": best.vs_ddp}
+    report.best = best_point(report.points)
     return report
+
+
+def with_baselines(keys: Sequence[str]) -> list[str]:
+    """`keys` with the DDP runs they are compared with, baselines first."""
+    needed = ["ddp", *(["sgd-ddp"] if any(uses_sgd(k) for k in keys) else [])]
+    return [*(b for b in needed if b not in keys), *keys]
 
 
 def print_err(line: str) -> None:
@@ -405,19 +499,27 @@ def timing(
     skip: int,
     rounds: int,
     log: Any,
-    rate_mbit: float | None,
+    rates_mbit: Sequence[float],
+    netns_prefix: str = DEFAULT_PREFIX,
+    subnet: str = SUBNET,
 ) -> None:
     """Step time per configuration (median over steps after `skip` of the slowest rank,
     and the mean, which counts the outer steps' bursts), run round-robin `rounds` times so
-    that the machine's load falls on every configuration alike. With `rate_mbit` the sites
-    are emulated (`cpn/emulated_wan.py`, root) and each configuration also runs with
-    every uplink at that rate; else on loopback. Prints markdown."""
+    that the machine's load falls on every configuration alike. With `rates_mbit` the
+    sites are emulated (`cpn/emulated_wan.py`, root; namespaces `netns_prefix`-…,
+    addresses in `subnet`.0/24) and each configuration runs with no limit and with every
+    uplink at each of those rates, in every round; else on loopback. Prints markdown."""
     tmp = Path(tempfile.mkdtemp(prefix="cpn-wan-timing-"))
     medians: dict[tuple[str, float | None], list[float]] = {}
     means: dict[tuple[str, float | None], list[float]] = {}
     load = [os.getloadavg()[0]]
-    rates: list[float | None] = [None] if rate_mbit is None else [None, rate_mbit]
-    with EmulatedWan(len(SITES), None) if rate_mbit is not None else nullcontext() as wan:
+    rates: list[float | None] = [None, *rates_mbit]
+    emulated = (
+        EmulatedWan(len(SITES), None, prefix=netns_prefix, subnet=subnet)
+        if rates_mbit
+        else nullcontext()
+    )
+    with emulated as wan:
         for r in range(rounds):
             for rate in rates:
                 if wan is not None:
@@ -431,7 +533,7 @@ def timing(
                     log(f"{key} {rate} round {r}: {medians[key, rate][-1] * 1e3:.1f} ms")
     shutil.rmtree(tmp)
     load.append(os.getloadavg()[0])
-    network = "loopback" if rate_mbit is None else "emulated sites"
+    network = "emulated sites" if rates_mbit else "loopback"
     print(
         f"Step time ({network}), GPT {setup.layers}×{setup.hidden}, {setup.steps} steps "
         f"(after {skip}; slowest rank per step), {rounds} rounds; load average "
@@ -480,7 +582,15 @@ def main() -> None:
     ap.add_argument(
         "--rate-mbit",
         type=float,
-        help="--timing: also with every uplink at this rate (emulated sites: root)",
+        nargs="+",
+        default=[],
+        help="--timing: also with every uplink at each of these rates (emulated sites: root)",
+    )
+    ap.add_argument(
+        "--netns-prefix", default=DEFAULT_PREFIX, help="--timing: emulated sites' namespaces"
+    )
+    ap.add_argument(
+        "--subnet", default=SUBNET, help="--timing: emulated sites' /24 (inside 198.18.0.0/15)"
     )
     args = ap.parse_args()
     setup = QUICK if args.quick else FULL
@@ -495,16 +605,28 @@ def main() -> None:
     if args.timing:
         keys = (args.configs or "ddp,dense,dense-blocking").split(",")
         steps = args.steps or 40
+        if any(BY_KEY[k].compression == "torchft" for k in keys):
+            raise SystemExit("--timing: torchft-diloco runs on loopback only")
         timing(
-            keys, replace(setup, steps=steps), steps // 4, args.rounds, print_err, args.rate_mbit
+            keys,
+            replace(setup, steps=steps),
+            steps // 4,
+            args.rounds,
+            print_err,
+            args.rate_mbit,
+            args.netns_prefix,
+            args.subnet,
         )
         return
     keys = (args.configs or (QUICK_KEYS if args.quick else DEFAULT_KEYS)).split(",")
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
         raise SystemExit(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(BY_KEY)})")
-    if "ddp" not in keys:
-        keys = ["ddp", *keys]
+    keys = with_baselines(keys)
+    why = torchft_peer.unavailable()
+    if why is not None and any(k.startswith("torchft-") for k in keys):
+        print_err(f"skipping {', '.join(k for k in keys if k.startswith('torchft-'))}: {why}")
+        keys = [k for k in keys if not k.startswith("torchft-")]
     seeds = [int(s) for s in (args.seeds or "0,1,2").split(",")]
 
     try:
