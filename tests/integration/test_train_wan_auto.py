@@ -13,6 +13,8 @@ warm-up ends and at an outer step, and resumed, repeats the straight run bit for
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -174,3 +176,39 @@ def test_a_schedule_resumed_where_its_phase_changes_and_at_an_outer_step_is_exac
 
     assert losses(parts) == losses(straight)
     assert _wan_bytes(parts) == _wan_bytes(straight)
+
+
+def test_a_bad_links_file_rewritten_every_step_is_reported_once_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    # A figure beyond every link (it once overflowed the 64-bit agreement and killed the
+    # rank, leaving the other waiting), rewritten all the time while the run goes on: the
+    # ranks agree on no measurement, finish the plan, and each says once what is wrong.
+    steps = 12
+    links = tmp_path / "wan-links.json"  # both ranks read it: each finds its peer site
+    bad = {"bandwidth_gbps": 1e300, "rtt_ms": 2.0}
+    stop = threading.Event()
+
+    def spoil() -> None:
+        while not stop.is_set():
+            write_links(links, "east", {"west": bad, "east": bad})
+            time.sleep(0.005)
+
+    spoil_once = threading.Thread(target=spoil, daemon=True)
+    write_links(links, "east", {"west": bad, "east": bad})
+    spoil_once.start()
+    try:
+        plan, _, records = _run(tmp_path, "bad", 10.0, steps, wan_links=links)
+    finally:
+        stop.set()
+        spoil_once.join()
+    assert plan.compression.wan is WanCompression.NONE
+    assert sorted((r["step"], r["rank"]) for r in records) == [
+        (s, r) for s in range(steps) for r in (0, 1)
+    ]
+    assert {r["wan_sync"] for r in records} == {"none"}
+    assert not [r for r in records if "wan_switch" in r]
+    for rank in (0, 1):
+        log = (tmp_path / "bad" / "work" / f"rank-{rank}.log").read_text()
+        assert log.count("wan: auto: ignoring") == 1, log
+        assert ".bandwidth_gbps: 1e+300 is not in (0, 1e+06]" in log
