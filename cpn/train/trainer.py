@@ -357,6 +357,10 @@ class Trainer:
         params = list(self.module.parameters())
         history: list[dict[str, Any]] = []
         every = self.opts.checkpoint_every
+        #: A periodic checkpoint that fell between outer steps: written at the next one.
+        #: Under `wan: auto` the outer steps start where the warm-up ends or the rung
+        #: moved, so they need not fall on multiples of `every`.
+        due = False
         asked = self._asked()
         auto = self._wan_auto(start_step)
         running = job.compression if auto is None else auto.current
@@ -432,22 +436,23 @@ class Trainer:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
                 wanted = asked is not None and asked.now()
-                if self.store is not None and (
-                    (every and done % every == 0) or done == end or wanted
-                ):
+                periodic = bool(every) and done % every == 0
+                due = due or periodic
+                if self.store is not None and (due or done == end or wanted):
                     if self.sync.at_outer_boundary:
+                        due = False
                         self._checkpoint(done)
                         if wanted:  # the site's end is near: written before going on
                             assert asked is not None
                             log.warning("step %d: checkpoint asked for by the site", done)
                             self._finish_checkpoint()
                             asked.done()
-                    else:
+                    elif periodic or done == end:
                         # Between outer steps the sites hold different parameters: only
                         # an outer step's result is one model to save.
                         log.warning(
-                            "step %d: no checkpoint between outer steps (next at a multiple "
-                            "of compression.every)",
+                            "step %d: no checkpoint between outer steps (written at the "
+                            "next outer step)",
                             done,
                         )
                 if self._saving is not None and self._saving.done():

@@ -212,3 +212,43 @@ def test_a_bad_links_file_rewritten_every_step_is_reported_once_and_the_run_goes
         log = (tmp_path / "bad" / "work" / f"rank-{rank}.log").read_text()
         assert log.count("wan: auto: ignoring") == 1, log
         assert ".bandwidth_gbps: 1e+300 is not in (0, 1e+06]" in log
+
+
+def test_a_run_moved_to_outer_steps_still_checkpoints_and_resumes(tmp_path: Path) -> None:
+    # Planned dense on 10 Gbit/s, measured 50 Mbit/s from the start: the rung moves to
+    # outer steps a step or two in, so its outer steps do not fall on multiples of
+    # --checkpoint-every. A due checkpoint is written at the next outer step (it was
+    # skipped for good: such a run never checkpointed again), and a run stopped between
+    # outer steps resumes from it, moving to outer steps again on every rank alike.
+    steps, every, stop = 80, 10, 50
+    links = tmp_path / "wan-links.json"
+    write_links(links, "east", {"west": {"bandwidth_gbps": 0.05}, "east": {"bandwidth_gbps": 0.05}})
+    store = tmp_path / "ckpt"
+    opts: dict[str, Any] = {"wan_links": links, "checkpoint_store": str(store)}
+    _, _, first = _run(
+        tmp_path, "first", 10.0, steps, checkpoint_every=every, stop_after=stop, **opts
+    )
+    [at] = {r["step"] for r in first if "wan_switch" in r}
+    h = 32
+    assert {r["wan_rung"] for r in first if r["step"] > at} == {3}  # outer H=32 int8
+    written = sorted(int(p.name.removeprefix("step-")) for p in store.glob("step-*"))
+    # Dense up to step `at` (a boundary after every step), then outer steps every h; a
+    # checkpoint due at a multiple of `every` is written at the first boundary from it.
+    expected, due = [], False
+    for done in range(1, stop + 1):
+        due = due or done % every == 0
+        if due and (done <= at + 1 or (done - at - 1) % h == 0):
+            expected.append(done)
+            due = False
+    assert written == expected and any(d > at + 1 for d in written), (written, at)
+    # Rank 0 says what it runs and where it moved, in its log.
+    log0 = (tmp_path / "first" / "work" / "rank-0.log").read_text()
+    assert "wan: auto chose none from step 0" in log0
+    assert f"step {at + 1}: wan: auto moves from none to outer H=32 int8" in log0
+    assert "wan: auto moves" not in (tmp_path / "first" / "work" / "rank-1.log").read_text()
+    resume_at = written[-1]
+    assert resume_at > at + 1
+    _, _, second = _run(tmp_path, "second", 10.0, steps, resume=True, **opts)
+    assert sorted({r["step"] for r in second}) == list(range(resume_at, steps))
+    moved = sorted((r["step"], r["rank"]) for r in second if "wan_switch" in r)
+    assert len(moved) == 2 and moved[0][0] == moved[1][0]
