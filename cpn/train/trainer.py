@@ -50,6 +50,7 @@ from cpn.train.parallelize import TensorParallel, parallelize, shard_layouts
 from cpn.train.pipeline import PipelineStage, Schedule, StepTimes
 from cpn.train.snapshot import WorkerSnapshot
 from cpn.train.wan_auto import WanAutoRun
+from cpn.wan_schedule import schedule_problem
 
 log = logging.getLogger("cpn.train")
 
@@ -105,6 +106,8 @@ def check_launch(
             f"dp={p.dp} tp={p.tp} pp={p.pp}"
         )
     problem = layout_problem(job.model, job.train, par) or plan.derived_problem(job)
+    if not problem and job.compression.wan is WanCompression.AUTO and plan.wan_auto:
+        problem = schedule_problem(plan.wan_auto.phases)
     if problem:
         raise InputError(f"plan: {problem}")
     if world_size != par.world_size:

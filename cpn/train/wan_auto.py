@@ -233,13 +233,14 @@ class WanAutoRun:
                 self.agreed = agreed / 1e6
         nxt = step + 1
         warmup_end = self.choice.schedule()[-1].start
-        if nxt >= self.job.train.steps or not at_boundary or nxt < warmup_end:
-            return None  # mid-way through an outer step, the end, or the planned warm-up
+        if nxt >= self.job.train.steps or not at_boundary:
+            return None  # mid-way through an outer step, or the end
         rung, after, why = self.rung, self.current, ""
-        if nxt == warmup_end and nxt > 0:
-            last = self.choice.schedule()[-1]
-            rung, after, why = last.rung, last.compression, "the end of the planned warm-up"
-        if self.agreed is not None:
+        planned = self.choice.phase_at(nxt)
+        if planned.start == nxt and nxt > 0:  # every planned phase, not just the last
+            rung, after = planned.rung, planned.compression
+            why = "the end of the planned warm-up" if nxt == warmup_end else "as planned"
+        if self.agreed is not None and nxt >= warmup_end:  # measurements after the plan
             link = Link(self.agreed, self.latency_ms)
             moved = self.budget.next_rung(rung, link)
             if self.current.wan is WanCompression.OUTER:

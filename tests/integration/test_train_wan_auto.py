@@ -24,11 +24,12 @@ import yaml
 
 from cpn.contracts import JobSpec, Plan, Topology
 from cpn.contracts.job import CompressionSpec, WanCompression
+from cpn.contracts.plan import WanPhase
 from cpn.scheduler import SolverSettings, plan_job
 from cpn.train.launcher import train_local
 from cpn.train.trainer import TrainOptions
 from cpn.train.wan_auto import write_links
-from cpn.wan_schedule import run_wan_bytes
+from cpn.wan_schedule import LADDER, run_wan_bytes, rung_spec
 from tests.integration.runtime import TOPOLOGY, tiny_job
 
 pytestmark = pytest.mark.slow
@@ -252,3 +253,34 @@ def test_a_run_moved_to_outer_steps_still_checkpoints_and_resumes(tmp_path: Path
     assert sorted({r["step"] for r in second}) == list(range(resume_at, steps))
     moved = sorted((r["step"], r["rank"]) for r in second if "wan_switch" in r)
     assert len(moved) == 2 and moved[0][0] == moved[1][0]
+
+
+def test_every_planned_phase_runs_from_its_step(tmp_path: Path) -> None:
+    # A schedule of three phases (a hand-edited plan: the contract allows any number):
+    # each runs from its start on every rank, not only the last (the middle one was
+    # skipped, while a run resumed inside it ran it), and the bytes are the cost model's.
+    plan, job, _ = _run(tmp_path, "planned", 0.05, steps=4)
+    assert plan.wan_auto is not None
+    h8, int8 = rung_spec(2, STEPS), rung_spec(3, STEPS)
+    phases = [
+        WanPhase(start=0, rung=1, compression=LADDER[1]),
+        WanPhase(start=5, rung=2, compression=h8),
+        WanPhase(start=21, rung=3, compression=int8),  # two outer steps of H=8 later
+    ]
+    auto = plan.wan_auto.model_copy(update={"phases": phases, "compression": int8})
+    three = plan.model_copy(update={"wan_auto": auto, "compression": int8})
+    d = tmp_path / "three"
+    d.mkdir()
+    (d / "job.yaml").write_text(yaml.safe_dump(tiny_job(2, 1, 1, STEPS, wan="auto")))
+    (d / "plan.json").write_text(three.model_dump_json())
+    records = train_local(d / "plan.json", d / "job.yaml", TrainOptions(), d / "work", 2)
+    for rank in (0, 1):
+        assert _segments(records, rank) == [
+            ("fp16", 5),
+            (h8.summary, 16),
+            (int8.summary, STEPS - 21),
+        ]
+    full = job.model_copy(update={"train": job.train.model_copy(update={"steps": STEPS})})
+    assert _wan_bytes(records) == run_wan_bytes(
+        full, job.fixed_parallel, 2, [(LADDER[1], 5), (h8, 16), (int8, STEPS - 21)]
+    )
