@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpn.contracts.limits import is_label
 from cpn.train.tail import FileTail
 from proto.cpn.v1 import agent_pb2 as pb
 
@@ -70,7 +71,8 @@ def step_message(record: dict[str, Any]) -> pb.StepMetrics | None:
     if isinstance(loss, int | float):
         message.loss = float(loss)
     wan_sync = record.get("wan_sync")
-    if isinstance(wan_sync, str):
+    # Only what the control plane stores: one bad field would have it refuse the report.
+    if isinstance(wan_sync, str) and wan_sync and is_label(wan_sync[:MAX_WAN_SYNC]):
         message.wan_sync = wan_sync[:MAX_WAN_SYNC]
     return message
 

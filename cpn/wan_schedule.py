@@ -42,6 +42,7 @@ from cpn.contracts.job import (
     ParallelSpec,
     WanCompression,
 )
+from cpn.contracts.plan import WanPhase
 from cpn.costmodel import Workload
 
 LADDER: tuple[CompressionSpec, ...] = (
@@ -192,6 +193,33 @@ def plan_phases(budget: Budget, link: Link, steps: int) -> list[Phase]:
         phases.append(Phase(0, WARMUP_RUNG, LADDER[WARMUP_RUNG]))
     phases.append(Phase(warm, rung, rung_spec(rung, steps - warm)))
     return phases
+
+
+def schedule_problem(phases: Sequence[WanPhase]) -> str | None:
+    """What the runtime cannot run in a plan's `wan_auto.phases` (None: nothing): a rung
+    off the ladder, a compression that is not its rung's (the runtime moves from the
+    rung, and the metrics name it), or a phase that starts between two outer steps of the
+    phase before (a switch is only possible where every replica holds the same
+    parameters: at `start + k·H` of an outer phase). The contract (`WanAutoChoice`)
+    checks the order of the starts and the last phase."""
+    for before, p in zip([None, *phases], phases, strict=False):
+        where = f"wan_auto.phases: the phase from step {p.start}"
+        if p.rung >= len(LADDER):
+            return f"{where} has rung {p.rung}; the ladder has 0..{len(LADDER) - 1}"
+        try:
+            rung = rung_of(p.compression)
+        except ValueError:
+            return f"{where} runs {p.compression.summary}, which is no rung of the ladder"
+        if rung != p.rung:
+            return f"{where} says rung {p.rung} but runs {p.compression.summary} (rung {rung})"
+        if before is not None and before.compression.wan is WanCompression.OUTER:
+            every = before.compression.outer_every
+            if (p.start - before.start) % every:
+                return (
+                    f"{where} starts between outer steps of the phase before "
+                    f"(H={every} from step {before.start})"
+                )
+    return None
 
 
 def run_wan_bytes(

@@ -223,6 +223,7 @@ def worker(
 
     if os.environ.get(MERGE_OUTPUT_ENV) == "1":
         os.dup2(2, 1)  # print() and log lines in one file, in order
+    _log_to_stderr()
     if checkpoint_request is not None:  # first: the site's warning must not end us
         touch_on_signal(checkpoint_request)
     spec_plan, spec_job = _load(plan, job)
@@ -379,6 +380,19 @@ def launch(
         return
     spec = plan_launch(plan, job, opts, workdir, mine, **where)
     _run_and_report(spec, spec.run_dir / "result.json")
+
+
+def _log_to_stderr() -> None:
+    """The runtime's INFO lines (the schedule `wan: auto` runs and where it moves, a
+    resume) into the rank's log; without a handler Python shows WARNING and above only."""
+    import logging  # noqa: PLC0415
+
+    train_log = logging.getLogger("cpn.train")
+    if not train_log.handlers:
+        handler = logging.StreamHandler()  # stderr: the rank's log
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        train_log.addHandler(handler)
+        train_log.setLevel(logging.INFO)
 
 
 def _run_and_report(spec: Any, result_path: Path | None, on_metrics: Any = None) -> None:

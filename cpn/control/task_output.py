@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from cpn.contracts.limits import is_label
 from cpn.control.errors import InvalidField
 from cpn.registry.job_output import StepRecord
 from proto.cpn.v1 import agent_pb2 as pb
@@ -40,11 +41,13 @@ def steps(request: pb.ReportTaskStatusRequest) -> tuple[StepRecord, ...]:
                 raise InvalidField(f"{where}.bytes.{name}", f"at most {MAX_BYTES}")
         # A non-finite loss is news (the run diverged) but cannot be summed: kept as absent.
         loss = s.loss if s.HasField("loss") and math.isfinite(s.loss) else None
-        wan_sync = s.wan_sync if s.HasField("wan_sync") else None
+        # A label (cpn.contracts.limits): shown per step by the REST API; empty is absent.
+        wan_sync = s.wan_sync if s.HasField("wan_sync") and s.wan_sync else None
         if wan_sync is not None and len(wan_sync) > MAX_WAN_SYNC:
             raise InvalidField(f"{where}.wan_sync", f"at most {MAX_WAN_SYNC} characters")
-        if wan_sync is not None:
-            wan_sync = wan_sync.replace("\x00", "")  # PostgreSQL text holds no NUL
+        if wan_sync is not None and not is_label(wan_sync):
+            # Escape sequences, line breaks, NUL (PostgreSQL text holds none), bidi overrides.
+            raise InvalidField(f"{where}.wan_sync", "must be printable text on one line")
         out.append(StepRecord(s.step, loss, s.seconds, *sent, wan_sync=wan_sync))
     return tuple(out)
 

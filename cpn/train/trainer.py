@@ -50,6 +50,7 @@ from cpn.train.parallelize import TensorParallel, parallelize, shard_layouts
 from cpn.train.pipeline import PipelineStage, Schedule, StepTimes
 from cpn.train.snapshot import WorkerSnapshot
 from cpn.train.wan_auto import WanAutoRun
+from cpn.wan_schedule import schedule_problem
 
 log = logging.getLogger("cpn.train")
 
@@ -105,6 +106,8 @@ def check_launch(
             f"dp={p.dp} tp={p.tp} pp={p.pp}"
         )
     problem = layout_problem(job.model, job.train, par) or plan.derived_problem(job)
+    if not problem and job.compression.wan is WanCompression.AUTO and plan.wan_auto:
+        problem = schedule_problem(plan.wan_auto.phases)
     if problem:
         raise InputError(f"plan: {problem}")
     if world_size != par.world_size:
@@ -357,6 +360,10 @@ class Trainer:
         params = list(self.module.parameters())
         history: list[dict[str, Any]] = []
         every = self.opts.checkpoint_every
+        #: A periodic checkpoint that fell between outer steps: written at the next one.
+        #: Under `wan: auto` the outer steps start where the warm-up ends or the rung
+        #: moved, so they need not fall on multiples of `every`.
+        due = False
         asked = self._asked()
         auto = self._wan_auto(start_step)
         running = job.compression if auto is None else auto.current
@@ -432,22 +439,23 @@ class Trainer:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
                 wanted = asked is not None and asked.now()
-                if self.store is not None and (
-                    (every and done % every == 0) or done == end or wanted
-                ):
+                periodic = bool(every) and done % every == 0
+                due = due or periodic
+                if self.store is not None and (due or done == end or wanted):
                     if self.sync.at_outer_boundary:
+                        due = False
                         self._checkpoint(done)
                         if wanted:  # the site's end is near: written before going on
                             assert asked is not None
                             log.warning("step %d: checkpoint asked for by the site", done)
                             self._finish_checkpoint()
                             asked.done()
-                    else:
+                    elif periodic or done == end:
                         # Between outer steps the sites hold different parameters: only
                         # an outer step's result is one model to save.
                         log.warning(
-                            "step %d: no checkpoint between outer steps (next at a multiple "
-                            "of compression.every)",
+                            "step %d: no checkpoint between outer steps (written at the "
+                            "next outer step)",
                             done,
                         )
                 if self._saving is not None and self._saving.done():

@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ import torch
 from cpn.comm.flag import StepMax
 from cpn.comm.traffic import Traffic
 from cpn.contracts.job import CompressionSpec, JobSpec, WanCompression
+from cpn.contracts.limits import MAX_GBPS
 from cpn.contracts.plan import Plan
 from cpn.wan_schedule import LADDER, Budget, Link, rung_spec
 
@@ -51,25 +54,67 @@ UNMEASURED_KBPS = 1 << 62
 FIRST_OUTER_RUNG = next(i for i, s in enumerate(LADDER) if s.wan is WanCompression.OUTER)
 
 
+#: The agent's file is a few hundred bytes; anything far larger is not its file.
+MAX_LINKS_BYTES = 1 << 20
+
+
+class LinksFileError(ValueError):
+    """The links file exists but cannot be used (one line: what is wrong with it)."""
+
+
 def read_narrowest(path: Path, sites: set[str]) -> float | None:
     """The narrowest measured bandwidth (Gbit/s) to any of `sites` in the agent's file,
-    or None (no file, unreadable, or no such site measured). The file:
+    or None (no file, or no such site measured). The file:
 
         {"site": "a", "links": {"b": {"bandwidth_gbps": 0.05, "rtt_ms": 40.0,
                                       "measured_at": 1795000000.0}}}
+
+    Raises `LinksFileError` for a file that is there but unusable: not a regular file
+    (a FIFO or a device would block the step or never end), larger than
+    MAX_LINKS_BYTES, not JSON (also nested beyond the parser's recursion), not of this
+    shape, or a bandwidth that is not a number in (0, MAX_GBPS] — a figure beyond every
+    link would not fit the 64-bit agreement.
     """
     try:
-        doc = json.loads(path.read_text())
-        links = doc["links"]
-        found = [
-            float(v["bandwidth_gbps"])
-            for k, v in links.items()
-            if k in sites and isinstance(v, dict) and "bandwidth_gbps" in v
-        ]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
         return None
-    usable = [g for g in found if math.isfinite(g) and g > 0]
-    return min(usable) if usable else None
+    except OSError as exc:
+        raise LinksFileError(f"cannot open: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LinksFileError("not a regular file")
+        if info.st_size > MAX_LINKS_BYTES:
+            raise LinksFileError(f"{info.st_size} bytes, more than {MAX_LINKS_BYTES}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_LINKS_BYTES + 1)
+    except OSError as exc:
+        raise LinksFileError(f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_LINKS_BYTES:
+        raise LinksFileError(f"more than {MAX_LINKS_BYTES} bytes")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise LinksFileError(f"not JSON ({str(exc)[:100]})") from None
+    links = doc.get("links") if isinstance(doc, dict) else None
+    if not isinstance(links, dict):
+        raise LinksFileError('no "links" object')
+    found = []
+    for peer, v in links.items():
+        if peer not in sites:
+            continue
+        g = v.get("bandwidth_gbps") if isinstance(v, dict) else None
+        if isinstance(g, bool) or not isinstance(g, int | float):
+            raise LinksFileError(f"links.{str(peer)[:64]}.bandwidth_gbps: not a number")
+        if not (math.isfinite(g) and 0 < g <= MAX_GBPS):
+            raise LinksFileError(
+                f"links.{str(peer)[:64]}.bandwidth_gbps: {g!r} is not in (0, {MAX_GBPS:g}]"
+            )
+        found.append(float(g))
+    return min(found) if found else None
 
 
 def write_links(path: Path, site: str, links: dict[str, dict[str, float]]) -> None:
@@ -85,16 +130,29 @@ class _LinksFile:
 
     path: Path
     sites: set[str]
-    _stamp: int = -1
+    _stamp: tuple[int, int, int] = (-1, -1, -1)
     _gbps: float | None = None
+    #: The problem last reported: a bad file is logged once, not at every step or rewrite.
+    _reported: str | None = None
 
     def gbps(self) -> float | None:
         try:
-            stamp = self.path.stat().st_mtime_ns
+            st = self.path.stat()
         except OSError:
             return self._gbps  # keep the last reading while the agent replaces the file
+        # The inode too: the agent replaces the file, and two writes may share an mtime.
+        stamp = (st.st_mtime_ns, st.st_ino, st.st_size)
         if stamp != self._stamp:
-            self._stamp, self._gbps = stamp, read_narrowest(self.path, self.sites)
+            self._stamp = stamp
+            try:
+                self._gbps = read_narrowest(self.path, self.sites)
+            except LinksFileError as exc:
+                # Keep the last good reading: the run goes on as if nothing was measured.
+                if str(exc) != self._reported:
+                    log.warning("wan: auto: ignoring %s: %s", self.path, exc)
+                    self._reported = str(exc)
+            else:
+                self._reported = None
         return self._gbps
 
 
@@ -175,13 +233,14 @@ class WanAutoRun:
                 self.agreed = agreed / 1e6
         nxt = step + 1
         warmup_end = self.choice.schedule()[-1].start
-        if nxt >= self.job.train.steps or not at_boundary or nxt < warmup_end:
-            return None  # mid-way through an outer step, the end, or the planned warm-up
+        if nxt >= self.job.train.steps or not at_boundary:
+            return None  # mid-way through an outer step, or the end
         rung, after, why = self.rung, self.current, ""
-        if nxt == warmup_end and nxt > 0:
-            last = self.choice.schedule()[-1]
-            rung, after, why = last.rung, last.compression, "the end of the planned warm-up"
-        if self.agreed is not None:
+        planned = self.choice.phase_at(nxt)
+        if planned.start == nxt and nxt > 0:  # every planned phase, not just the last
+            rung, after = planned.rung, planned.compression
+            why = "the end of the planned warm-up" if nxt == warmup_end else "as planned"
+        if self.agreed is not None and nxt >= warmup_end:  # measurements after the plan
             link = Link(self.agreed, self.latency_ms)
             moved = self.budget.next_rung(rung, link)
             if self.current.wan is WanCompression.OUTER:

@@ -13,6 +13,8 @@ warm-up ends and at an outer step, and resumed, repeats the straight run bit for
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,12 @@ import yaml
 
 from cpn.contracts import JobSpec, Plan, Topology
 from cpn.contracts.job import CompressionSpec, WanCompression
+from cpn.contracts.plan import WanPhase
 from cpn.scheduler import SolverSettings, plan_job
 from cpn.train.launcher import train_local
 from cpn.train.trainer import TrainOptions
 from cpn.train.wan_auto import write_links
-from cpn.wan_schedule import run_wan_bytes
+from cpn.wan_schedule import LADDER, run_wan_bytes, rung_spec
 from tests.integration.runtime import TOPOLOGY, tiny_job
 
 pytestmark = pytest.mark.slow
@@ -174,3 +177,110 @@ def test_a_schedule_resumed_where_its_phase_changes_and_at_an_outer_step_is_exac
 
     assert losses(parts) == losses(straight)
     assert _wan_bytes(parts) == _wan_bytes(straight)
+
+
+def test_a_bad_links_file_rewritten_every_step_is_reported_once_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    # A figure beyond every link (it once overflowed the 64-bit agreement and killed the
+    # rank, leaving the other waiting), rewritten all the time while the run goes on: the
+    # ranks agree on no measurement, finish the plan, and each says once what is wrong.
+    steps = 12
+    links = tmp_path / "wan-links.json"  # both ranks read it: each finds its peer site
+    bad = {"bandwidth_gbps": 1e300, "rtt_ms": 2.0}
+    stop = threading.Event()
+
+    def spoil() -> None:
+        while not stop.is_set():
+            write_links(links, "east", {"west": bad, "east": bad})
+            time.sleep(0.005)
+
+    spoil_once = threading.Thread(target=spoil, daemon=True)
+    write_links(links, "east", {"west": bad, "east": bad})
+    spoil_once.start()
+    try:
+        plan, _, records = _run(tmp_path, "bad", 10.0, steps, wan_links=links)
+    finally:
+        stop.set()
+        spoil_once.join()
+    assert plan.compression.wan is WanCompression.NONE
+    assert sorted((r["step"], r["rank"]) for r in records) == [
+        (s, r) for s in range(steps) for r in (0, 1)
+    ]
+    assert {r["wan_sync"] for r in records} == {"none"}
+    assert not [r for r in records if "wan_switch" in r]
+    for rank in (0, 1):
+        log = (tmp_path / "bad" / "work" / f"rank-{rank}.log").read_text()
+        assert log.count("wan: auto: ignoring") == 1, log
+        assert ".bandwidth_gbps: 1e+300 is not in (0, 1e+06]" in log
+
+
+def test_a_run_moved_to_outer_steps_still_checkpoints_and_resumes(tmp_path: Path) -> None:
+    # Planned dense on 10 Gbit/s, measured 50 Mbit/s from the start: the rung moves to
+    # outer steps a step or two in, so its outer steps do not fall on multiples of
+    # --checkpoint-every. A due checkpoint is written at the next outer step (it was
+    # skipped for good: such a run never checkpointed again), and a run stopped between
+    # outer steps resumes from it, moving to outer steps again on every rank alike.
+    steps, every, stop = 80, 10, 50
+    links = tmp_path / "wan-links.json"
+    write_links(links, "east", {"west": {"bandwidth_gbps": 0.05}, "east": {"bandwidth_gbps": 0.05}})
+    store = tmp_path / "ckpt"
+    opts: dict[str, Any] = {"wan_links": links, "checkpoint_store": str(store)}
+    _, _, first = _run(
+        tmp_path, "first", 10.0, steps, checkpoint_every=every, stop_after=stop, **opts
+    )
+    [at] = {r["step"] for r in first if "wan_switch" in r}
+    h = 32
+    assert {r["wan_rung"] for r in first if r["step"] > at} == {3}  # outer H=32 int8
+    written = sorted(int(p.name.removeprefix("step-")) for p in store.glob("step-*"))
+    # Dense up to step `at` (a boundary after every step), then outer steps every h; a
+    # checkpoint due at a multiple of `every` is written at the first boundary from it.
+    expected, due = [], False
+    for done in range(1, stop + 1):
+        due = due or done % every == 0
+        if due and (done <= at + 1 or (done - at - 1) % h == 0):
+            expected.append(done)
+            due = False
+    assert written == expected and any(d > at + 1 for d in written), (written, at)
+    # Rank 0 says what it runs and where it moved, in its log.
+    log0 = (tmp_path / "first" / "work" / "rank-0.log").read_text()
+    assert "wan: auto chose none from step 0" in log0
+    assert f"step {at + 1}: wan: auto moves from none to outer H=32 int8" in log0
+    assert "wan: auto moves" not in (tmp_path / "first" / "work" / "rank-1.log").read_text()
+    resume_at = written[-1]
+    assert resume_at > at + 1
+    _, _, second = _run(tmp_path, "second", 10.0, steps, resume=True, **opts)
+    assert sorted({r["step"] for r in second}) == list(range(resume_at, steps))
+    moved = sorted((r["step"], r["rank"]) for r in second if "wan_switch" in r)
+    assert len(moved) == 2 and moved[0][0] == moved[1][0]
+
+
+def test_every_planned_phase_runs_from_its_step(tmp_path: Path) -> None:
+    # A schedule of three phases (a hand-edited plan: the contract allows any number):
+    # each runs from its start on every rank, not only the last (the middle one was
+    # skipped, while a run resumed inside it ran it), and the bytes are the cost model's.
+    plan, job, _ = _run(tmp_path, "planned", 0.05, steps=4)
+    assert plan.wan_auto is not None
+    h8, int8 = rung_spec(2, STEPS), rung_spec(3, STEPS)
+    phases = [
+        WanPhase(start=0, rung=1, compression=LADDER[1]),
+        WanPhase(start=5, rung=2, compression=h8),
+        WanPhase(start=21, rung=3, compression=int8),  # two outer steps of H=8 later
+    ]
+    auto = plan.wan_auto.model_copy(update={"phases": phases, "compression": int8})
+    three = plan.model_copy(update={"wan_auto": auto, "compression": int8})
+    d = tmp_path / "three"
+    d.mkdir()
+    (d / "job.yaml").write_text(yaml.safe_dump(tiny_job(2, 1, 1, STEPS, wan="auto")))
+    (d / "plan.json").write_text(three.model_dump_json())
+    records = train_local(d / "plan.json", d / "job.yaml", TrainOptions(), d / "work", 2)
+    for rank in (0, 1):
+        assert _segments(records, rank) == [
+            ("fp16", 5),
+            (h8.summary, 16),
+            (int8.summary, STEPS - 21),
+        ]
+    full = job.model_copy(update={"train": job.train.model_copy(update={"steps": STEPS})})
+    assert _wan_bytes(records) == run_wan_bytes(
+        full, job.fixed_parallel, 2, [(LADDER[1], 5), (h8, 16), (int8, STEPS - 21)]
+    )

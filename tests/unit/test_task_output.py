@@ -43,3 +43,26 @@ def test_a_step_carries_the_wan_sync_that_ran_it() -> None:
     long = pb.StepMetrics(step=1, wan_sync="x" * (MAX_WAN_SYNC + 1))
     with pytest.raises(InvalidField, match=r"steps\[0\]\.wan_sync"):
         steps(pb.ReportTaskStatusRequest(steps=[long]))
+
+
+@pytest.mark.parametrize(
+    "bad", ["\x1b[31mfp16", "fp16\nFAKE LINE", "fp\x00", "outer\u202eH=8", "\t", "a\x7f"]
+)
+def test_a_wan_sync_that_is_not_one_printable_line_is_refused_and_not_sent(bad: str) -> None:
+    # The servicer answers INVALID_ARGUMENT naming the field instead of storing it; the
+    # agent never sends such a value (it would get its whole report refused).
+    with pytest.raises(InvalidField, match=r"steps\[0\]\.wan_sync: must be printable"):
+        steps(pb.ReportTaskStatusRequest(steps=[pb.StepMetrics(step=1, wan_sync=bad)]))
+    sent = step_message({"step": 1, "seconds": {"step": 0.1}, "wan_sync": bad})
+    assert sent is not None and not sent.HasField("wan_sync")
+    [kept] = steps(pb.ReportTaskStatusRequest(steps=[sent]))
+    assert kept.wan_sync is None
+
+
+def test_an_empty_or_long_wan_sync_from_a_worker() -> None:
+    [empty] = steps(pb.ReportTaskStatusRequest(steps=[pb.StepMetrics(step=1, wan_sync="")]))
+    assert empty.wan_sync is None  # absent, not an empty label
+    long = step_message({"step": 1, "seconds": {"step": 0.1}, "wan_sync": "é" * 500})
+    assert long is not None
+    [cut] = steps(pb.ReportTaskStatusRequest(steps=[long]))
+    assert cut.wan_sync == "é" * MAX_WAN_SYNC

@@ -5,6 +5,8 @@ schedule."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,6 +27,7 @@ from cpn.wan_schedule import (
     plan_phases,
     rung_of,
     rung_spec,
+    schedule_problem,
 )
 
 
@@ -156,3 +159,58 @@ def test_the_plan_contract_checks_the_schedule() -> None:
     # A choice recorded before schedules existed is one phase from step 0.
     old = WanAutoChoice(compression=outer, summary="s", reason="r")
     assert old.schedule() == [WanPhase(start=0, rung=0, compression=outer)]
+
+
+@settings(max_examples=200)
+@given(
+    phases=st.lists(
+        st.tuples(st.integers(0, 300), st.integers(0, 100), st.integers(0, len(LADDER) - 1)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_a_hand_edited_schedule_runs_as_written_or_is_one_line(
+    phases: list[tuple[int, int, int]],
+) -> None:
+    # (start offset, rung said, rung run): whatever a hand edits, the launch either
+    # refuses it in one line naming the phase or gets a schedule the runtime can follow.
+    built, start = [], 0
+    for i, (gap, said, ran) in enumerate(phases):
+        start = 0 if i == 0 else start + 1 + gap
+        built.append(WanPhase(start=start, rung=said, compression=rung_spec(ran, 100)))
+    problem = schedule_problem(built)
+    followable = all(p.rung == rung_of(p.compression) for p in built) and all(
+        b.compression.wan is not WanCompression.OUTER
+        or (p.start - b.start) % b.compression.outer_every == 0
+        for b, p in itertools.pairwise(built)
+    )
+    assert (problem is None) == followable
+    if problem is not None:
+        assert problem.startswith("wan_auto.phases: the phase from step ") and "\n" not in problem
+
+
+def test_the_launch_refuses_a_schedule_the_runtime_cannot_follow() -> None:
+    fp16, int8 = LADDER[1], rung_spec(3, 100)
+    ok = [WanPhase(start=0, rung=1, compression=fp16), WanPhase(start=5, rung=3, compression=int8)]
+    assert schedule_problem(ok) is None
+    lying = [WanPhase(start=0, rung=4, compression=fp16), ok[1]]
+    assert schedule_problem(lying) == (
+        "wan_auto.phases: the phase from step 0 says rung 4 but runs fp16 (rung 1)"
+    )
+    off = [WanPhase(start=0, rung=99, compression=fp16), ok[1]]
+    assert schedule_problem(off) == (
+        "wan_auto.phases: the phase from step 0 has rung 99; the ladder has 0..5"
+    )
+    odd = [WanPhase(start=0, rung=1, compression=CompressionSpec(wan=WanCompression.INT8)), ok[1]]
+    assert schedule_problem(odd) == (
+        "wan_auto.phases: the phase from step 0 runs int8, which is no rung of the ladder"
+    )
+    between = [
+        WanPhase(start=0, rung=3, compression=int8),
+        WanPhase(start=5, rung=1, compression=fp16),
+    ]
+    assert schedule_problem(between) == (
+        "wan_auto.phases: the phase from step 5 starts between outer steps of the phase "
+        "before (H=32 from step 0)"
+    )
+    assert schedule_problem([*between[:1], between[1].model_copy(update={"start": 64})]) is None
