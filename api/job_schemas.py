@@ -148,12 +148,20 @@ class StepPublic(BaseModel):
     wan_sync: str | None = Field(
         default=None, description="the WAN sync that ran the step (wan: auto's rung)"
     )
+    predicted_bytes: dict[str, int] | None = Field(
+        default=None,
+        description="the plan's bytes for this step: under wan: outer the pipeline hops, "
+        "plus a whole exchange at an outer step; per phase of a wan: auto schedule",
+    )
 
 
 class MetricsPublic(BaseModel):
     job_id: str
     ranks: int
-    predicted_bytes_per_step: dict[str, int] | None
+    predicted_bytes_per_step: dict[str, int] | None = Field(
+        description="the plan's bytes per iteration (under wan: outer one exchange ÷ H, "
+        "rounded up: each step's own is in `steps[].predicted_bytes`)"
+    )
     steps: list[StepPublic]
 
 

@@ -208,10 +208,17 @@ class Workload:
         c = replicas_at_site
         if c <= 1:
             return 0
-        per_step = 2 * (c - 1) * self.stage_numel(stage) * self.grad_bytes * self.tp
+        per_step = self.dp_intra_bytes_per_step(stage, c)
         # (c − 1)·⌈E·g·tp / H⌉: the broadcast per outer step ÷ H, rounded up, linear in c.
         per_sync = self.dp_intra_bytes_per_sync(stage, c) // (c - 1)
         return per_step + (c - 1) * -(-per_sync // self.outer_every)
+
+    def dp_intra_bytes_per_step(self, stage: int, replicas_at_site: int) -> int:
+        """In-site bytes of every iteration's gradient reduce + broadcast (any mode)."""
+        c = replicas_at_site
+        if c <= 1:
+            return 0
+        return 2 * (c - 1) * self.stage_numel(stage) * self.grad_bytes * self.tp
 
     def dp_intra_bytes_per_sync(self, stage: int, replicas_at_site: int) -> int:
         """Under `wan: outer`: the in-site broadcast of one outer step (else 0)."""
@@ -400,6 +407,23 @@ class Evaluation:
     bubble: float
     price_per_hour: float
     gpus: int
+    #: Under `wan: outer`: one outer exchange's bytes (the in-site broadcast and the WAN
+    #: pseudo-gradients), which `intra_site` and `wan` above spread over H iterations
+    #: (rounded up), and what every iteration sends besides (`step_*`). Together they give
+    #: the exact bytes of any run prefix (`cpn.contracts.plan.BytesPerIteration.through`);
+    #: None when the sync runs every step (then `intra_site` and `wan` are exact per step).
+    exchange: Exchange | None = None
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Bytes of one `wan: outer` exchange and of every iteration besides it."""
+
+    every: int
+    step_intra_site: int
+    step_wan: int
+    intra_site: int
+    wan: int
 
 
 def evaluate(
@@ -423,6 +447,11 @@ def evaluate(
     intra_node = sum(c * w.tp_bytes(p) for p, c in enumerate(per_stage))
     intra_site = 0
     wan = 0
+    # One outer exchange's bytes (0 unless `wan: outer`), beside the averaged figures.
+    exchange_intra_site = 0
+    exchange_wan = 0
+    step_intra_site = 0  # every iteration's in-site bytes (the exchange's aside)
+    step_wan = 0  # every iteration's WAN bytes: the pipeline hops
     links: dict[str, int] = defaultdict(int)
 
     def load(route: Route | None, nbytes: int) -> None:
@@ -447,9 +476,11 @@ def evaluate(
             nbytes = count * w.boundary_bytes
             if a == b:
                 intra_site += nbytes
+                step_intra_site += nbytes
                 hop = w.hop_seconds(None, count, site_spec[a].intra_site_gbps)
             else:
                 wan += nbytes
+                step_wan += nbytes
                 rt = route(a, b)
                 load(rt, nbytes)
                 hop = w.hop_seconds(rt, count, site_spec[a].intra_site_gbps)
@@ -467,11 +498,14 @@ def evaluate(
         intra_time = 0.0
         for site, c in per_site.items():
             intra_site += w.dp_intra_bytes(p, c)
+            step_intra_site += w.dp_intra_bytes_per_step(p, c)
+            exchange_intra_site += w.dp_intra_bytes_per_sync(p, c)
             if c >= 2:
                 intra_time = max(intra_time, w.dp_intra_seconds(p, site_spec[site].intra_site_gbps))
         wan_time = 0.0
         if k >= 2:
             wan += w.dp_wan_bytes(p, k)
+            exchange_wan += w.dp_wan_bytes_per_sync(p, k)
             # Per-link loads: leader i sends to leader i + 1 around the ring.
             e = w.stage_numel(p)
             for i, site in enumerate(sites):
@@ -519,4 +553,13 @@ def evaluate(
         bubble=(pp - 1) * slot[worst],
         price_per_hour=price,
         gpus=dp * pp * tp,
+        exchange=Exchange(
+            every=w.outer_every,
+            step_intra_site=step_intra_site,
+            step_wan=step_wan,
+            intra_site=exchange_intra_site,
+            wan=exchange_wan,
+        )
+        if w.outer
+        else None,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
@@ -31,6 +31,7 @@ from api.threads import in_thread
 from cpn.contracts import Plan
 from cpn.orchestration import JobView, QuoteChoice
 from cpn.orchestration.errors import NeverFits, QuotaExceeded, ServiceError
+from cpn.orchestration.progress import predicted_through
 from cpn.registry.models import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -202,11 +203,20 @@ async def job_metrics(
     tokens = int(job.spec["train"]["global_batch"]) * int(job.spec["model"]["seq_len"])
     predicted = None
     ranks = 0
+    through: Callable[[int], dict[str, int]] | None = None
     if job.plan is not None:
         per = job.plan["bytes_per_iteration"]
         predicted = {k: int(per[k]) for k in ("intra_node", "intra_site", "wan")}
         p = job.plan["parallel"]
         ranks = int(p["dp"]) * int(p["tp"]) * int(p["pp"])
+        through = predicted_through(job.plan, int(job.spec["train"]["steps"]))
+
+    def of_step(step: int) -> dict[str, int] | None:
+        if through is None:
+            return None
+        after, before = through(step + 1), through(step)
+        return {k: after[k] - before[k] for k in after}
+
     return MetricsPublic(
         job_id=job.id,
         ranks=ranks,
@@ -224,6 +234,7 @@ async def job_metrics(
                     "wan": r.bytes_wan,
                 },
                 wan_sync=r.wan_sync,
+                predicted_bytes=of_step(r.step),
             )
             for r in rows
         ],

@@ -56,6 +56,43 @@ class BytesPerIteration(_Model):
     intra_site: Int64
     wan: Int64
     wan_links: dict[str, Int64] = Field(default_factory=dict)
+    exchange: ExchangeBytes | None = Field(
+        default=None,
+        description="wan: outer only: one outer exchange and every iteration besides it, "
+        "exactly (intra_site and wan above spread the exchange over H iterations)",
+    )
+
+    def segment(self, start: int, end: int, done: int) -> dict[str, int]:
+        """Bytes by link class of the steps below `done` of a stretch `[start, end)` of
+        the run that syncs this way. Every step sends the per-step bytes; under `wan:
+        outer` an exchange ends every H-th step of the stretch and its last step (the
+        runtime closes a stretch with an outer step: before it switches sync, and at the
+        end of training)."""
+        n = max(0, min(done, end) - start)
+        e = self.exchange
+        if e is None:
+            return {"intra_node": self.intra_node * n, "intra_site": self.intra_site * n,
+                    "wan": self.wan * n}  # fmt: skip
+        closed = 1 if n == end - start and n % e.every else 0
+        exchanges = n // e.every + closed
+        return {
+            "intra_node": self.intra_node * n,
+            "intra_site": e.step_intra_site * n + e.intra_site * exchanges,
+            "wan": e.step_wan * n + e.wan * exchanges,
+        }
+
+
+class ExchangeBytes(_Model):
+    """Under `wan: outer`, exact bytes (all senders): `intra_site` and `wan` of one outer
+    exchange (the in-site broadcast of the mean pseudo-gradient, the pseudo-gradients
+    across sites), and `step_intra_site` and `step_wan` that every iteration sends
+    besides (in-site gradient sync, pipeline hops)."""
+
+    every: int = Field(ge=1, le=INT32_MAX, description="H: iterations per exchange")
+    step_intra_site: Int64
+    step_wan: Int64
+    intra_site: Int64
+    wan: Int64
 
 
 class Breakdown(_Model):
@@ -159,6 +196,9 @@ class WanPhase(_Model):
     start: int = Field(ge=0, le=INT32_MAX)
     rung: int = Field(ge=0, le=100)
     compression: CompressionSpec
+    bytes_per_iteration: BytesPerIteration | None = Field(
+        default=None, description="this phase's bytes on the plan's placement"
+    )
 
 
 class WanAutoChoice(_Model):
@@ -205,6 +245,30 @@ class WanAutoChoice(_Model):
     def phase_at(self, step: int) -> WanPhase:
         """The planned phase that runs step `step`."""
         return [p for p in self.schedule() if p.start <= step][-1]
+
+
+def predicted_bytes(
+    per_iteration: BytesPerIteration, wan_auto: WanAutoChoice | None, done: int, steps: int
+) -> dict[str, int]:
+    """Bytes by link class (all senders) the plan predicts for the first `done` steps of a
+    run of `steps`: per phase of a `wan: auto` schedule whose phases carry their bytes,
+    else the plan's own sync throughout. Exact for the sync the plan names (the runtime's
+    counts equal it, tested); a run whose measured links moved its `wan: auto` rung sends
+    what the rung it moved to sends."""
+    phases = wan_auto.schedule() if wan_auto is not None else []
+    stretches: list[tuple[int, int, BytesPerIteration]] = [(0, steps, per_iteration)]
+    if phases and all(p.bytes_per_iteration is not None for p in phases):
+        ends = [p.start for p in phases[1:]] + [steps]
+        stretches = [
+            (p.start, end, p.bytes_per_iteration)
+            for p, end in zip(phases, ends, strict=True)
+            if p.bytes_per_iteration is not None
+        ]
+    total = {"intra_node": 0, "intra_site": 0, "wan": 0}
+    for start, end, bytes_ in stretches:
+        for key, value in bytes_.segment(start, end, done).items():
+            total[key] += value
+    return total
 
 
 class Plan(_Model):

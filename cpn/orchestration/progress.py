@@ -2,23 +2,39 @@
 and the bytes each link class carried, measured beside the plan's prediction.
 
 Measured bytes are summed over the steps every rank has reported (`JobStep` rows with
-all ranks in), and the prediction is the plan's bytes per iteration times that many
-steps, so the two are comparable at any moment of the run, not only at its end.
+all ranks in), and the prediction is the plan's bytes for that many steps
+(`predicted_through`: per iteration, plus under `wan: outer` each outer exchange whole at
+its step, per phase of a `wan: auto` schedule), so the two are comparable at any moment of
+the run, not only at its end.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from cpn.contracts import JobSpec
+from cpn.contracts.plan import BytesPerIteration, WanAutoChoice, predicted_bytes
 from cpn.registry.models import Job, JobStep, Task
 
 LINK_CLASSES = ("intra_node", "intra_site", "wan")
 #: tokens/s is averaged over this many of the last complete steps.
 RATE_WINDOW = 10
+
+
+def predicted_through(plan: Mapping[str, Any], steps: int) -> Callable[[int], dict[str, int]]:
+    """For a stored plan of a run of `steps`: a function of `done` giving the predicted
+    bytes by link class of the first `done` steps (`cpn.contracts.plan.predicted_bytes`),
+    with the plan's two parts it needs validated once and alone (a plan's thousands of
+    shards are not read for this)."""
+    per = BytesPerIteration.model_validate(plan["bytes_per_iteration"])
+    auto = plan.get("wan_auto")
+    choice = WanAutoChoice.model_validate(auto) if auto else None
+    return lambda done: predicted_bytes(per, choice, done, steps)
 
 
 @dataclass(frozen=True)
@@ -62,7 +78,7 @@ def job_progress(session: Session, job: Job) -> Progress:
         ).where(JobStep.job_id == job.id, JobStep.ranks >= world)
     ).one()
     done = int(totals[0])
-    per_iteration = job.plan["bytes_per_iteration"]
+    predicted = predicted_through(job.plan, steps_total)(done)
     measured = dict(zip(LINK_CLASSES, (int(v) for v in totals[1:]), strict=True))
     recent = session.scalars(complete.order_by(JobStep.step.desc()).limit(RATE_WINDOW)).all()
     loss = None
@@ -79,8 +95,5 @@ def job_progress(session: Session, job: Job) -> Progress:
         ranks_reporting=int(reporting),
         loss=loss,
         tokens_per_s=tokens / seconds if recent and seconds > 0 else None,
-        bytes={
-            k: LinkBytes(measured=measured[k], predicted=int(per_iteration[k]) * done)
-            for k in LINK_CLASSES
-        },
+        bytes={k: LinkBytes(measured=measured[k], predicted=predicted[k]) for k in LINK_CLASSES},
     )

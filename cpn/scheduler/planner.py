@@ -12,7 +12,7 @@ from cpn.network import SiteGraph
 from cpn.scheduler import wan_auto
 from cpn.scheduler.auto import plan_auto
 from cpn.scheduler.cpsat import Objective, SolverSettings
-from cpn.scheduler.realize import to_plan
+from cpn.scheduler.realize import phase_bytes, to_plan
 from cpn.scheduler.solve import place_fixed
 
 
@@ -45,5 +45,6 @@ def plan_job(
     plan = to_plan(inst, solved.shards, solved.report, objective.value)
     if auto is None:
         return plan
-    # Bound to the job as submitted (wan: auto); the plan says what it runs.
+    # Bound to the job as submitted (wan: auto); the plan says what it runs, phase by phase.
+    auto = phase_bytes(inst, solved.shards, auto)
     return plan.model_copy(update={"binding": Binding.of(job, topology), "wan_auto": auto})

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cpn.contracts.plan import (
     Alternative,
     Binding,
     Breakdown,
     BytesPerIteration,
+    ExchangeBytes,
     Plan,
     ShardPlacement,
     SolverReport,
+    WanAutoChoice,
 )
 from cpn.costmodel import Evaluation, Placement, evaluate
 from cpn.scheduler.instance import Instance
@@ -155,6 +157,41 @@ def evaluate_shards(inst: Instance, shards: Sequence[ShardPlacement]) -> Evaluat
     )
 
 
+def bytes_of(ev: Evaluation) -> BytesPerIteration:
+    """The plan's bytes per iteration (and, under `wan: outer`, per exchange) from an
+    evaluation of its placement."""
+    x = ev.exchange
+    return BytesPerIteration(
+        intra_node=ev.intra_node,
+        intra_site=ev.intra_site,
+        wan=ev.wan,
+        wan_links=ev.wan_links,
+        exchange=None
+        if x is None
+        else ExchangeBytes(
+            every=x.every,
+            step_intra_site=x.step_intra_site,
+            step_wan=x.step_wan,
+            intra_site=x.intra_site,
+            wan=x.wan,
+        ),
+    )
+
+
+def phase_bytes(
+    inst: Instance, shards: Sequence[ShardPlacement], auto: WanAutoChoice
+) -> WanAutoChoice:
+    """`auto` with each phase's bytes on this placement: the warm-up's per-step sync sends
+    other bytes than the steady rung's outer steps."""
+    placements = [Placement(s.replica, s.stage, s.site, s.node) for s in shards]
+    phases = []
+    for phase in auto.schedule():
+        job = inst.workload.job.model_copy(update={"compression": phase.compression})
+        ev = evaluate(replace(inst.workload, job=job), inst.topology, inst.graph, placements)
+        phases.append(phase.model_copy(update={"bytes_per_iteration": bytes_of(ev)}))
+    return auto.model_copy(update={"phases": phases})
+
+
 def to_plan(
     inst: Instance,
     shards: Sequence[ShardPlacement],
@@ -172,9 +209,7 @@ def to_plan(
         compression=w.job.compression,
         micro_batches=w.micro_batches,
         shards=list(shards),
-        bytes_per_iteration=BytesPerIteration(
-            intra_node=ev.intra_node, intra_site=ev.intra_site, wan=ev.wan, wan_links=ev.wan_links
-        ),
+        bytes_per_iteration=bytes_of(ev),
         predicted_iteration_seconds=ev.iteration_seconds,
         breakdown=Breakdown(
             compute=ev.compute, pipeline=ev.pipeline, dp_sync=ev.dp_sync, bubble=ev.bubble

@@ -72,7 +72,7 @@ def test_submit_trains_across_sites_and_succeeds(three_sites: Cluster, tmp_path:
     assert series.predicted_bytes_per_step is not None
     for s in series.steps:
         assert s.ranks == 4
-        assert s.bytes == series.predicted_bytes_per_step
+        assert s.bytes == series.predicted_bytes_per_step == s.predicted_bytes
     # Every transition is an event with its reason.
     moves = [e.data["to"] for e in client.events(job_id) if e.kind == "job_state"]
     assert moves == ["scheduled", "running", "succeeded"]
@@ -150,3 +150,8 @@ def test_wan_auto_names_its_sync_in_the_jobs_metrics(three_sites: Cluster) -> No
     ran = [s.wan_sync for s in series.steps]
     assert ran[:2] == [schedule.phase_at(s).compression.summary for s in range(2)]
     assert all(isinstance(name, str) and name for name in ran), ran
+    # Each step that ran the planned phase's sync carried the plan's bytes for that step.
+    planned = [
+        s for s in series.steps if s.wan_sync == schedule.phase_at(s.step).compression.summary
+    ]
+    assert planned and all(s.bytes == s.predicted_bytes for s in planned), planned

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cpn.contracts import JobSpec
+from cpn.contracts.plan import predicted_bytes
 from cpn.costmodel import Workload
 from cpn.train.launcher import train_local
 from cpn.train.trainer import TrainOptions
@@ -41,6 +42,13 @@ def test_outer_steps_send_exactly_the_predicted_bytes(tmp_path: Path) -> None:
             "wan": exchange if outer else 0,
         }, s.step
     assert got[-1].loss < got[0].loss
+    # The plan's prediction of a run prefix (what the job service shows) is exact too.
+    assert plan.bytes_per_iteration.exchange is not None
+    for s in got:
+        before, after = (
+            predicted_bytes(plan.bytes_per_iteration, None, n, steps) for n in (s.step, s.step + 1)
+        )
+        assert s.bytes == {k: after[k] - before[k] for k in after}, s.step
 
 
 def test_resume_at_an_outer_step_is_exact(tmp_path: Path) -> None:

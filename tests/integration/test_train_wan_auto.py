@@ -24,7 +24,7 @@ import yaml
 
 from cpn.contracts import JobSpec, Plan, Topology
 from cpn.contracts.job import CompressionSpec, WanCompression
-from cpn.contracts.plan import WanPhase
+from cpn.contracts.plan import WanPhase, predicted_bytes
 from cpn.scheduler import SolverSettings, plan_job
 from cpn.train.launcher import train_local
 from cpn.train.trainer import TrainOptions
@@ -79,6 +79,22 @@ def _wan_bytes(records: list[dict[str, Any]]) -> int:
     return sum(r["bytes"]["wan"] for r in records)
 
 
+def _by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
+    """Bytes by link class per step, summed over ranks."""
+    out: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in records:
+        for k, v in r["bytes"].items():
+            out[r["step"]][k] += v
+    return {s: dict(b) for s, b in out.items()}
+
+
+def _predicted_by_step(plan: Plan, steps: int) -> dict[int, dict[str, int]]:
+    def through(done: int) -> dict[str, int]:
+        return predicted_bytes(plan.bytes_per_iteration, plan.wan_auto, done, steps)
+
+    return {s: {k: through(s + 1)[k] - through(s)[k] for k in through(s)} for s in range(steps)}
+
+
 def test_fast_and_narrow_links_run_different_schedules_with_exact_bytes(tmp_path: Path) -> None:
     fast, job, fast_records = _run(tmp_path, "fast", 10.0)
     narrow, _, narrow_records = _run(tmp_path, "narrow", 0.05)
@@ -107,6 +123,10 @@ def test_fast_and_narrow_links_run_different_schedules_with_exact_bytes(tmp_path
     assert _wan_bytes(narrow_records) == run_wan_bytes(
         job, par, 2, [(narrow_phases[0].compression, warm), (outer, STEPS - warm)]
     )
+    # And the plan's own prediction, step by step and per link class (what GET
+    # /v1/jobs/{id}/metrics and progress show): the warm-up's and the outer phase's bytes.
+    for plan, records in ((fast, fast_records), (narrow, narrow_records)):
+        assert _by_step(records) == _predicted_by_step(plan, STEPS)
     # Between outer steps nothing crosses the WAN.
     by_step: dict[int, int] = defaultdict(int)
     for r in narrow_records:

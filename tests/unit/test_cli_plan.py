@@ -38,7 +38,10 @@ def test_json_plan_has_the_documented_keys() -> None:
         "solver",
     ):
         assert key in doc
-    assert set(doc["bytes_per_iteration"]) == {"intra_node", "intra_site", "wan", "wan_links"}
+    assert set(doc["bytes_per_iteration"]) == {
+        "intra_node", "intra_site", "wan", "wan_links", "exchange",
+    }  # fmt: skip
+    assert doc["bytes_per_iteration"]["exchange"] is None  # only under wan: outer
     assert set(doc["breakdown"]) == {"compute", "pipeline", "dp_sync", "bubble"}
     assert {"status", "seconds", "objective", "bound", "gap"} <= set(doc["solver"])
     assert set(doc["shards"][0]) == {"replica", "stage", "site", "node", "gpus"}
