@@ -177,9 +177,14 @@ class SlurmCluster:
                     parent = int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
                     if b"slurmstepd" in Path(f"/proc/{parent}/cmdline").read_bytes():
                         stepds.add(parent)
-        for pid in [*stepds, *on_node]:  # the step daemons first: they must report nothing
-            with suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        # Frozen first, then killed: a step daemon that outlives another by a moment can
+        # report what it sees (srun losing its step's daemon exits non-zero, and the batch
+        # step's daemon reported that as FAILED, exit 233, instead of the node's loss — 1
+        # CI run in many). Stopped processes see nothing and report nothing.
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in [*stepds, *on_node]:
+                with suppress(OSError):
+                    os.kill(pid, sig)
 
     def _all_idle(self) -> bool:
         out = self.run("sinfo", "-h", "-N", "-p", "cpn", "-o", "%N %t", check=False)
