@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from api.job_schemas import EventPublic
 from cpn.client import ApiError, CpnClient
 from tests.processes import CPN, Proc, agent_argv, free_port, serve_argv, wait_until, write_tokens
 
@@ -161,3 +162,21 @@ def cluster(
         for proc in agents.values():
             proc.stop()
         made.serve.stop()  # the one running now (a test may have restarted it)
+
+
+def rescheduled(client: CpnClient, job_id: str, timeout: float) -> EventPublic:
+    """The job's first move to RESCHEDULING, once it happened (from its events: it may be
+    planned again within milliseconds, too fast to see in its state)."""
+
+    def moved() -> EventPublic | None:
+        return next(
+            (
+                e
+                for e in client.events(job_id)
+                if e.kind == "job_state" and e.data.get("to") == "rescheduling"
+            ),
+            None,
+        )
+
+    found: EventPublic = wait_until(moved, timeout, f"job {job_id} to go rescheduling")
+    return found

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from api.job_schemas import EventPublic, JobPublic
+from api.job_schemas import JobPublic
 from cpn.client import CpnClient
 from cpn.train.report import summarise
 from tests.processes import CPN, free_port, wait_until
-from tests.service_harness import Cluster, cluster, make_key, tiny_job
+from tests.service_harness import Cluster, cluster, make_key, rescheduled, tiny_job
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 
 pytestmark = pytest.mark.slow
@@ -57,24 +57,6 @@ def _wait_state(client: CpnClient, job_id: str, states: set[str], timeout: float
         return job if job.state.value in states else None
 
     return wait_until(reached, timeout, f"job {job_id} to reach {states}")
-
-
-def _rescheduled(client: CpnClient, job_id: str, timeout: float) -> EventPublic:
-    """The job's first move to RESCHEDULING, once it happened (from its events: it may be
-    planned again within milliseconds, too fast to see in its state)."""
-
-    def moved() -> EventPublic | None:
-        return next(
-            (
-                e
-                for e in client.events(job_id)
-                if e.kind == "job_state" and e.data.get("to") == "rescheduling"
-            ),
-            None,
-        )
-
-    found: EventPublic = wait_until(moved, timeout, f"job {job_id} to go rescheduling")
-    return found
 
 
 def _slurm_jobs(slurm: SlurmCluster, job_id: str) -> list[str]:
@@ -155,7 +137,7 @@ def test_an_agent_restarted_within_its_lease_has_its_job_planned_again(
     job_id = client.submit(tiny_job("restarted", steps=100_000)).id
     _wait_state(client, job_id, {"running"}, 120)
     c.restart_agent("a")
-    moved = _rescheduled(client, job_id, 60)
+    moved = rescheduled(client, job_id, 60)
     job = client.job(job_id)
     assert job.losses == 1 and job.restarts == 0, job.reason
     assert "agent a-a-node restarted and no longer runs this launch" in moved.message, moved
@@ -220,7 +202,7 @@ def test_a_preempted_slurm_job_resumes_from_its_checkpoint_without_a_restart(
         "sbatch", "--parsable", "-p", "urgent", "--nodelist=node1", "--exclusive",
         "--time=1", f"--output={c.tmp}/urgent.out", "--wrap", "sleep 6",
     )  # fmt: skip
-    moved = _rescheduled(client, job_id, 30)
+    moved = rescheduled(client, job_id, 30)
     job = _wait_state(client, job_id, {"succeeded", "failed"}, 300)
     assert job.state.value == "succeeded", (job.reason, job.failure)
     # A loss of infrastructure, not one of the job's restarts.
@@ -242,7 +224,7 @@ def test_a_lost_slurm_node_is_planned_again_without_it(
     (slurm_id,) = _slurm_jobs(slurm, job_id)
     slurm.kill_node("node2")
     try:
-        moved = _rescheduled(client, job_id, 90)
+        moved = rescheduled(client, job_id, 90)
         job = _wait_state(client, job_id, {"running"}, 180)
         # Planned again on what is left: node2 is no longer offered (the agent registered
         # the site's nodes again), and the loss is not counted as a restart.
