@@ -71,6 +71,9 @@ def test_the_other_control_plane_takes_over_and_nothing_is_lost_or_doubled(
         )
         wait_until(lambda: "orchestration: leading" in first.text(), 30, "serve-1 to lead")
         assert "orchestration: leading" not in second.text()
+        # Both sites in the registry first: with one site's 2 GPUs the 4-GPU job "can never
+        # fit" and is refused at submission (a CI run submitted before b registered).
+        wait_until(lambda: len(two.topology().sites) == 2, 90, "both sites to register")
         # Submitted to the follower, run by the leader.
         job_id = two.submit(tiny_job("steady", steps=60)).id
         wait_until(lambda: one.job(job_id).state.value == "running", 180, "the job to run")
