@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -43,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from wan_sync import RANKS_PER_SITE, SITES, RankFailed, Run, Setup, SyncConfig
+from wan_sync import RANKS_PER_SITE, SITES, RankFailed, Run, Setup, SyncConfig, held_out_loss
 
 from cpn import wire
 from cpn.train.data import BatchSource
@@ -164,13 +163,7 @@ def worker(spec_path: Path, rank: int) -> None:
             wan.append(wan_sent[0] - before)
     eval_loss = None
     if rank == 0:
-        held_out = BatchSource(setup.seq_len, setup.vocab, setup.batch, setup.batch, 1, setup.seed)
-        with torch.no_grad():
-            evals = [
-                float(model(*held_out.for_replica(10**6 + i, 0)[0]))
-                for i in range(setup.eval_batches)
-            ]
-        eval_loss = statistics.fmean(evals)
+        eval_loss = held_out_loss(model, setup)
     result = {
         "rank": rank,
         "losses": losses,

@@ -175,6 +175,17 @@ def _read_tx() -> int:
     return int(Path("/sys/class/net/wan0/statistics/tx_bytes").read_text())
 
 
+def held_out_loss(model: torch.nn.Module, setup: Setup) -> float:
+    """Mean loss on the fixed held-out windows (rank 0, after the last step): the same
+    windows for every configuration and peer, so their eval losses compare."""
+    held_out = BatchSource(setup.seq_len, setup.vocab, setup.batch, setup.batch, 1, setup.seed)
+    with torch.no_grad():
+        evals = [
+            float(model(*held_out.for_replica(10**6 + i, 0)[0])) for i in range(setup.eval_batches)
+        ]
+    return statistics.fmean(evals)
+
+
 def worker(spec_path: Path) -> None:
     """One rank: train `spec["steps"]` steps, write what it measured to rank-<r>.json.
 
@@ -283,13 +294,7 @@ def worker(spec_path: Path) -> None:
     tx = _read_tx() - tx_before if reads_uplink else None
     eval_loss = None
     if rank == 0:
-        held_out = BatchSource(setup.seq_len, setup.vocab, setup.batch, setup.batch, 1, setup.seed)
-        with torch.no_grad():
-            evals = [
-                float(model(*held_out.for_replica(10**6 + i, 0)[0]))
-                for i in range(setup.eval_batches)
-            ]
-        eval_loss = statistics.fmean(evals)
+        eval_loss = held_out_loss(model, setup)
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().numpy().tobytes())
