@@ -61,7 +61,11 @@ def quantize(
         return empty, torch.empty(0, dtype=torch.float32, device=x.device)
     qmax = max_code(bits)
     blocks = _blocks(x.reshape(-1).to(torch.float32), block)
-    scale = blocks.abs().amax(dim=1) / qmax
+    # Divided by a tensor, not a Python number: CUDA divides by a scalar as a multiply by
+    # its reciprocal, one ulp off the CPU's quotient in some blocks; a tensor divisor is
+    # IEEE division on both, so a GPU worker sends the bytes a CPU worker would.
+    peak = blocks.abs().amax(dim=1)
+    scale = peak / torch.full_like(peak, qmax)
     # A block of zeros (or of values whose scale underflows) sends zeros.
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
     codes = torch.round(blocks / safe).clamp_(-qmax, qmax)

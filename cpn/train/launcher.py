@@ -28,6 +28,7 @@ workers' files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -275,6 +276,16 @@ def train_local(
     return records
 
 
+#: torch < 2.13 has no `shutdown_timeout` (how long the agent waits for workers it ends
+#: before killing them; 30 s by default): pass it where it exists, so that the CUDA builds
+#: GPU hosts ship (2.11 on the machine the GPU checks ran on) start workers too.
+_SHUTDOWN = (
+    {"shutdown_timeout": 10}
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+    else {}
+)
+
+
 def _config(launch: Launch) -> LaunchConfig:
     return LaunchConfig(
         min_nodes=launch.nnodes,
@@ -289,7 +300,7 @@ def _config(launch: Launch) -> LaunchConfig:
         start_method="spawn",
         logs_specs=_PlanRankLogs(launch.files, launch.plan_ranks),
         local_addr=launch.local_addr,
-        shutdown_timeout=10,
+        **_SHUTDOWN,  # type: ignore[arg-type]
     )
 
 

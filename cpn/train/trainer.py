@@ -153,8 +153,15 @@ def nothing_to_train(job: JobSpec, opts: TrainOptions, resume_step: int | None) 
     return f"nothing to train: already trained to step {resume_step} of {total} ({where})"
 
 
-def choose_device(requested: str | None, local_rank: int) -> torch.device:
-    """The one device a worker uses: as asked, else its GPU if it has one, else the CPU."""
+def choose_device(requested: str | None, local_rank: int, local_world: int = 1) -> torch.device:
+    """The one device a worker uses: as asked, else its GPU if it has one, else the CPU.
+
+    `local_world` is how many workers share this node (torch's LOCAL_WORLD_SIZE): NCCL
+    needs a GPU of its own for each, so a node with fewer visible GPUs than workers is
+    refused in one line here rather than by NCCL's "duplicate GPU" at the first
+    collective. The site agent makes exactly the plan's GPUs visible, one per worker; a
+    hand-run `cpn train` on a smaller machine meets this and can pass `--device cpu`.
+    """
     if requested is not None:
         try:
             device = torch.device(requested)
@@ -167,11 +174,23 @@ def choose_device(requested: str | None, local_rank: int) -> torch.device:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InputError(f"--device: {requested!r}, but no GPU is visible to this worker")
         if device.type == "cuda" and device.index is None:
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
+            return _gpu_of(local_rank, local_world, f"--device {requested}")
         return device
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return _gpu_of(local_rank, local_world, "a worker's default device")
     return torch.device("cpu")
+
+
+def _gpu_of(local_rank: int, local_world: int, what: str) -> torch.device:
+    visible = torch.cuda.device_count()
+    local_world = max(local_world, local_rank + 1)  # LOCAL_WORLD_SIZE unset: at least this
+    if local_world > visible:
+        raise InputError(
+            f"{what}: {local_world} workers on this node but {visible} GPU(s) visible; "
+            "NCCL needs one GPU per worker (give the node more GPUs, fewer workers, "
+            "or --device cpu)"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def learning_rate(base: float, step: int, total: int) -> float:
@@ -204,7 +223,11 @@ class Trainer:
         self.layout = Layout(plan, rank)
         self.traffic = Traffic()
         self.wire_dtype = WIRE_DTYPES[job.train.dtype]
-        self.device = choose_device(opts.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = choose_device(
+            opts.device,
+            int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        )
         self.store = CheckpointStore(opts.checkpoint_store) if opts.checkpoint_store else None
         self._saving: Future[Any] | None = None
         self._saving_step = 0
