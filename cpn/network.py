@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
 
-import networkx as nx
-
 from cpn.contracts.reservations import Reservations
 from cpn.contracts.topology import LinkSpec, Topology, link_key
+
+# networkx is imported where it is used: a fifth of a second that every training worker
+# (which imports this module through the cost model but never routes) would pay at start.
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class SiteGraph:
 
     def __init__(self, topology: Topology, reservations: Reservations | None = None) -> None:
         self.topology = topology
+        import networkx as nx  # noqa: PLC0415
+
         self.graph = nx.Graph()
         self.graph.add_nodes_from(topology.site_names)
         reserved = reservations.wan_gbps if reservations else {}
@@ -71,6 +74,8 @@ class SiteGraph:
 
     def components(self) -> list[frozenset[str]]:
         """Groups of sites that can reach each other, largest first, ties by name."""
+        import networkx as nx  # noqa: PLC0415
+
         comps = [frozenset(c) for c in nx.connected_components(self.graph)]
         return sorted(comps, key=lambda c: (-len(c), min(c)))
 
@@ -82,6 +87,8 @@ class SiteGraph:
 
     @cached_property
     def _routes(self) -> dict[tuple[str, str], Route]:
+        import networkx as nx  # noqa: PLC0415
+
         routes: dict[tuple[str, str], Route] = {}
         edges = sorted(self.graph.edges(data=True), key=lambda e: (-e[2]["bandwidth"], e[2]["key"]))
         current = nx.Graph()

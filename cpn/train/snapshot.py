@@ -31,19 +31,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from cpn.errors import InputError
 from cpn.train.checkpoint import CheckpointStore
 from cpn.train.data_parallel import DataParallelSync
 from cpn.train.layout import Layout
 from cpn.train.parallelize import ShardLayout
+
+if TYPE_CHECKING:
+    # torch.distributed.checkpoint, DTensor and DeviceMesh cost about half a second of
+    # import per worker (a third of its start-up) and only checkpoints use them: they are
+    # imported where a checkpoint is written or read.
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("cpn.train")
 
@@ -59,6 +63,8 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _dtensor(local: torch.Tensor, layout: ShardLayout, mesh: DeviceMesh, lead: int) -> DTensor:
     """`local` (already the logical piece) as a DTensor on `mesh`, whose last dimension is
     the tensor-parallel group and whose `lead` first dimensions replicate it."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415
+
     split = Shard(layout.dim) if layout.dim is not None else Replicate()
     return DTensor.from_local(
         local,
@@ -103,6 +109,8 @@ class WorkerSnapshot:
         """(pp, dp, tp) over the world: the plan's rank layout is this row-major order.
         Collective on first use (every worker checkpoints at the same steps)."""
         if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
             p = self.layout.plan.parallel
             self._mesh = init_device_mesh(
                 self.device.type, (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp")
@@ -342,6 +350,8 @@ class WorkerSnapshot:
     def _check_shape(
         self, metadata: Metadata, key: str, layout: ShardLayout, store: CheckpointStore, step: int
     ) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+
         meta = metadata.state_dict_metadata.get(key)
         where = f"checkpoint {store.step_path(step)}"
         if not isinstance(meta, TensorStorageMetadata):
@@ -352,6 +362,8 @@ class WorkerSnapshot:
             )
 
     def _read(self, store: CheckpointStore, step: int, target: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict_loader import load  # noqa: PLC0415
+
         try:
             load(target, storage_reader=store.reader(step))
         except InputError:

@@ -33,7 +33,6 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from cpn.comm import Traffic, new_groups
 from cpn.comm.flag import StepMax
@@ -353,6 +352,10 @@ class Trainer:
         return resumed.step
 
     def _checkpoint(self, step: int) -> None:
+        # Imported here, not at the top: half a second of every worker's start-up, for
+        # checkpoints only (see cpn.train.snapshot).
+        from torch.distributed.checkpoint.state_dict_saver import async_save, save  # noqa: PLC0415
+
         store = self.store
         assert store is not None
         self._finish_checkpoint()  # one save in flight at a time
