@@ -17,7 +17,7 @@ typecheck: setup
 	.venv/bin/mypy cpn api agents proto migrations bench tests
 
 unit: setup
-	.venv/bin/pytest -q
+	.venv/bin/pytest -q -n 2 --dist loadgroup
 
 # Everything CI runs: lint, types, the whole test suite.
 test: lint typecheck unit

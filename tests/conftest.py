@@ -5,6 +5,7 @@ regression and not a new random draw. Explore with fresh random examples locally
 `pytest --hypothesis-profile=explore` (and keep what it finds as an explicit test).
 """
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("cpn", derandomize=True, database=None, print_blob=True)
@@ -12,3 +13,33 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("cpn")
 
 pytest_plugins = ["tests.databases"]
+
+#: Test files that share something machine-wide, by what they share. `make unit` runs the
+#: suite on two pytest-xdist workers with `--dist loadgroup`: the files of one group run on
+#: the same worker, one test at a time, and never beside each other.
+#: - netns: network namespaces, veth/bridge names and 198.18.0.0/15 subnets (the demo's,
+#:   the emulation tests', the partition test's), and the stale-namespace sweeps that
+#:   remove what another test made;
+#: - slurm: test clusters whose node crash freezes and kills processes by name.
+SERIAL_GROUPS = {
+    "netns": (
+        "tests/integration/test_compose.py",
+        "tests/integration/test_demo.py",
+        "tests/integration/test_partition_netns.py",
+        "tests/integration/test_readme.py",
+        "tests/unit/test_cli_demo.py",
+        "tests/unit/test_wan_emulation.py",
+    ),
+    "slurm": (
+        "tests/integration/test_slurm_agent.py",
+        "tests/integration/test_slurm_backend.py",
+    ),
+}
+_GROUP_OF = {path: group for group, paths in SERIAL_GROUPS.items() for path in paths}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _GROUP_OF.get(item.nodeid.split("::")[0])
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
