@@ -17,7 +17,8 @@ typecheck: setup
 	.venv/bin/mypy cpn api agents proto migrations bench tests
 
 unit: setup
-	.venv/bin/pytest -q -n 2 --dist loadgroup
+	.venv/bin/pytest -q -n 2 --dist loadgroup -m "not serial"
+	.venv/bin/pytest -q -m serial
 
 # Everything CI runs: lint, types, the whole test suite.
 test: lint typecheck unit

@@ -20,10 +20,8 @@ pytest_plugins = ["tests.databases"]
 #: - netns: network namespaces, veth/bridge names and 198.18.0.0/15 subnets (the demo's,
 #:   the emulation tests', the partition test's), and the stale-namespace sweeps that
 #:   remove what another test made;
-#: - slurm: test clusters whose node crash freezes and kills processes by name;
-#: - wire: the socket audit, whose two 8-worker runs, side by side, now and then missed
-#:   the tensor-parallel connection of one worker in its /proc/self/fd listing (not
-#:   explained; alone, or beside other tests, it has always matched the kernel's counts).
+#: - slurm: test clusters whose node crash freezes and kills processes by name.
+#: Tests marked `serial` run after the parallel part, alone (`make unit`).
 SERIAL_GROUPS = {
     "netns": (
         "tests/integration/test_compose.py",
@@ -37,7 +35,6 @@ SERIAL_GROUPS = {
         "tests/integration/test_slurm_agent.py",
         "tests/integration/test_slurm_backend.py",
     ),
-    "wire": ("tests/integration/test_wire_truth.py",),
 }
 _GROUP_OF = {path: group for group, paths in SERIAL_GROUPS.items() for path in paths}
 

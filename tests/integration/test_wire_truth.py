@@ -23,7 +23,10 @@ from cpn.scheduler import Objective
 from cpn.train.launcher import Launch, run
 from tests.integration.runtime import replica_per_site, write_run
 
-pytestmark = pytest.mark.slow
+# serial: `make unit` runs it alone, after the parallel part. Beside other tests (two
+# pytest-xdist workers) one worker's tensor-parallel socket was now and then missing from
+# its /proc/self/fd listing, and the audit found 48 of 59 768 832 bytes (not explained).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 STEPS = 3
 
