@@ -17,8 +17,7 @@ typecheck: setup
 	.venv/bin/mypy cpn api agents proto migrations bench tests
 
 unit: setup
-	.venv/bin/pytest -q -n 2 --dist loadgroup -m "not serial"
-	.venv/bin/pytest -q -m serial
+	.venv/bin/pytest -q
 
 # Everything CI runs: lint, types, the whole test suite.
 test: lint typecheck unit

@@ -14,14 +14,14 @@ settings.load_profile("cpn")
 
 pytest_plugins = ["tests.databases"]
 
-#: Test files that share something machine-wide, by what they share. `make unit` runs the
-#: suite on two pytest-xdist workers with `--dist loadgroup`: the files of one group run on
-#: the same worker, one test at a time, and never beside each other.
+#: Test files that share something machine-wide, by what they share. Run on two
+#: pytest-xdist workers (`pytest -n 2 --dist loadgroup -m "not serial"`, then `-m serial`),
+#: the files of one group run on the same worker, one test at a time, never side by side.
 #: - netns: network namespaces, veth/bridge names and 198.18.0.0/15 subnets (the demo's,
 #:   the emulation tests', the partition test's), and the stale-namespace sweeps that
 #:   remove what another test made;
 #: - slurm: test clusters whose node crash freezes and kills processes by name.
-#: Tests marked `serial` run after the parallel part, alone (`make unit`).
+#: Tests marked `serial` must run alone. `make unit` still runs the suite serially.
 SERIAL_GROUPS = {
     "netns": (
         "tests/integration/test_compose.py",

@@ -23,8 +23,8 @@ from cpn.scheduler import Objective
 from cpn.train.launcher import Launch, run
 from tests.integration.runtime import replica_per_site, write_run
 
-# serial: `make unit` runs it alone, after the parallel part. Beside other tests (two
-# pytest-xdist workers) one worker's tensor-parallel socket was now and then missing from
+# serial: run alone (under pytest-xdist, after the rest with -m serial). Beside other tests
+# (two pytest-xdist workers) one worker's tensor-parallel socket was now and then missing from
 # its /proc/self/fd listing, and the audit found 48 of 59 768 832 bytes (not explained).
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
