@@ -213,7 +213,7 @@ def cluster_blocks(inst: Instance, length: int, near: bool = True) -> list[Shard
     previous: list[str] = []  # the sites of the block position before
     for first in range(0, pp, length):
         stages = range(first, first + length)
-        room = {s: _blocks_room(free, s, stages, dp) for s in inst.sites}
+        room = {s: blocks_room(free, s, stages, dp) for s in inst.sites}
         hosts = [s for s in inst.sites if room[s] > 0]
         if sum(room[s] for s in hosts) < dp:
             return None
@@ -240,25 +240,35 @@ def cluster_blocks(inst: Instance, length: int, near: bool = True) -> list[Shard
         replica = 0
         for i in sorted(best[1], key=lambda i: -capacity[i]):
             site = hosts[i]
-            for _ in range(room[site]):
-                if replica == dp:
-                    break
-                for p in stages:
-                    got = free.take(site, p)
-                    if got is None:
-                        return None
-                    out.append(
-                        ShardPlacement(
-                            replica=replica, stage=p, site=site, node=got[0], gpus=got[1]
-                        )
-                    )
-                replica += 1
+            count = min(room[site], dp - replica)
+            if not take_blocks(free, site, stages, count, replica, out):
+                return None
+            replica += count
         if replica < dp:
             return None
     return _sorted(out)
 
 
-def _blocks_room(free: FreeGpus, site: str, stages: range, most: int) -> int:
+def take_blocks(
+    free: FreeGpus,
+    site: str,
+    stages: range,
+    count: int,
+    replica: int,
+    out: list[ShardPlacement],
+) -> bool:
+    """Place `count` whole blocks of `stages` at `site`, replicas numbered from `replica`,
+    onto `out`; False if some shard finds no GPUs that fit it."""
+    for r in range(replica, replica + count):
+        for p in stages:
+            got = free.take(site, p)
+            if got is None:
+                return False
+            out.append(ShardPlacement(replica=r, stage=p, site=site, node=got[0], gpus=got[1]))
+    return True
+
+
+def blocks_room(free: FreeGpus, site: str, stages: range, most: int) -> int:
     """Whole blocks of `stages` that fit in what `free` has left at `site` (up to `most`)."""
     taken: list[tuple[str, list[int]]] = []
     count = 0

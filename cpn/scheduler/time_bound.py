@@ -276,7 +276,9 @@ def _sites_per_stage_bound(
     can host p) − dp, and likewise from p + 1. So at least x = dp − (the least of these)
     replicas cross, over at most k_p·k_p+1 pairs of sites: some pair carries
     ⌈x / (k_p·k_p+1)⌉ of them, and c replicas on a WAN pair take at least α + β·c per
-    micro-batch with α, β the least over pairs (`time_flows.hop_coefficients`); with no
+    micro-batch with α, β the least over pairs (`time_flows.hop_coefficients`) — and, from
+    the pairs' own α, β, at least the floor of `_carried_hop` (what k_p sites can send to
+    k_p+1 sites within a hop time, each over its own fastest pairs); with no
     crossing, some site still moves ⌈dp / min(k_p, k_p+1)⌉ through its fabric. Boundary p
     is therefore at least H_p(d), the least of that over k_p ∈ K_p(d), k_p+1 ∈ K_p+1(d),
     and no placement is faster than min over d of (m + pp − 1)·max(joint compute,
@@ -306,6 +308,7 @@ def _sites_per_stage_bound(
     for p in range(pp):
         room = sorted((inst.site_slots(s) for s in inst.sites if caps[(p, s)] > 0), reverse=True)
         top.append(np.cumsum([0, *room]))
+    caps_p = [np.array([caps[(p, s)] for s in inst.sites], dtype=np.int64) for p in range(pp)]
     for p in range(pp - 1):
         keep = sorted(
             (min(inst.site_slots(s) // 2, caps[(p, s)], caps[(p + 1, s)]) for s in inst.sites),
@@ -325,9 +328,9 @@ def _sites_per_stage_bound(
         cross = dp - np.maximum(0, most)
         # Inside a site: some site moves ⌈dp / common⌉ replicas through its fabric.
         local = np.array([w.hop_seconds(None, -(-dp // c), best_fabric) for c in range(1, dp + 1)])
-        h = np.where(
-            cross > 0, a_min + b_min * np.ceil(np.maximum(cross, 0) / (i * j)), local[common - 1]
-        )
+        spread = a_min + b_min * np.ceil(np.maximum(cross, 0) / (i * j))
+        carried = _carried_hop(alpha, beta, caps_p[p], caps_p[p + 1], cross)
+        h = np.where(cross > 0, np.maximum(spread, carried), local[common - 1])
         hops.append(h)
     one_hop = a_min + b_min
     best, best_crossing = math.inf, math.inf
@@ -342,6 +345,61 @@ def _sites_per_stage_bound(
         best = min(best, (m + pp - 1) * slot + sync_floor)
         best_crossing = min(best_crossing, (m + pp - 1) * max(slot, crossing) + sync_floor)
     return best, best_crossing
+
+
+#: Hop levels tried by `_carried_hop`, geometrically spaced (the bound may fall short of
+#: the least feasible level by one step of the grid, never exceed it).
+HOP_GRID = 96
+
+
+def _carried_hop(
+    alpha: npt.NDArray[np.float64],
+    beta: npt.NDArray[np.float64],
+    room_from: npt.NDArray[np.int64],
+    room_to: npt.NDArray[np.int64],
+    cross: npt.NDArray[np.int64],
+) -> npt.NDArray[np.float64]:
+    """[i − 1, j − 1]: a floor on the slowest WAN hop when `cross[i − 1, j − 1]` replicas
+    cross from a stage on i sites to the next on j (0 where nothing is claimed).
+
+    At hop time h a pair a ≠ b carries at most cap_ab(h) = ⌊(h − α_ab)/β_ab⌋ replicas
+    within h. A site a of the first stage sends to at most j sites of the next, so at
+    most min(room_a, the sum of its j largest caps); the i sites of the stage send at
+    most the sum of the i largest of those, and likewise from the receiving side. If
+    that is below the crossing replicas, every placement with those counts has a hop
+    above h; the largest such h of a geometric grid is the floor.
+    """
+    n = len(room_from)
+    dp_i, dp_j = cross.shape
+    off = ~np.eye(n, dtype=bool) & np.isfinite(alpha)
+    out = np.zeros(cross.shape)
+    if not off.any() or not (cross > 0).any():
+        return out
+    most = int(max(room_from.max(), room_to.max(), 1))
+    lo = float((alpha[off] + beta[off]).min())
+    hi = float((alpha[off] + beta[off] * most).max())
+    if not hi > lo:
+        return out
+    ks_i = np.minimum(np.arange(1, dp_i + 1), n)
+    ks_j = np.minimum(np.arange(1, dp_j + 1), n)
+    for h in np.geomspace(lo, hi, HOP_GRID):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cap = np.floor((h - alpha) / beta * (1 + 1e-12) + 1e-9)
+        cap = np.where(off & np.isfinite(cap), np.clip(cap, 0, most), 0)
+        rows = np.cumsum(-np.sort(-cap, axis=1), axis=1)  # [a, j − 1]: top j of row a
+        cols = np.cumsum(-np.sort(-cap, axis=0), axis=0)  # [i − 1, b]: top i of column b
+        send = np.minimum(room_from[:, None], rows)  # [a, j − 1]
+        take = np.minimum(room_to[None, :], cols)  # [i − 1, b]
+        by_senders = np.cumsum(-np.sort(-send, axis=0), axis=0)  # [i − 1, j − 1]
+        by_takers = np.cumsum(-np.sort(-take, axis=1), axis=1)  # [i − 1, j − 1]
+        total = np.minimum(
+            by_senders[np.ix_(ks_i - 1, ks_j - 1)], by_takers[np.ix_(ks_i - 1, ks_j - 1)]
+        )
+        short = total < cross
+        if not short.any():
+            break
+        out = np.where(short, h, out)
+    return out
 
 
 def peel(

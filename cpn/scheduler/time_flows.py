@@ -100,7 +100,7 @@ def _full_flow(
     return bool(flow.solve(s, t) == flow.OPTIMAL and flow.optimal_flow() == int(supply.sum()))
 
 
-def _boundary(
+def boundary_flows(
     alpha: npt.NDArray[np.float64],
     beta: npt.NDArray[np.float64],
     supply: npt.NDArray[np.int64],
@@ -159,7 +159,7 @@ def balanced_flows(
         demand = np.array([per_site.get((p + 1, s), 0) for s in sites], dtype=np.int64)
         src, dst = np.flatnonzero(supply), np.flatnonzero(demand)
         idx = np.ix_(src, dst)
-        moves = _boundary(alpha[idx], beta[idx], supply[src], demand[dst])
+        moves = boundary_flows(alpha[idx], beta[idx], supply[src], demand[dst])
         if moves is None:
             return None
         for i, j, v in moves:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
@@ -19,9 +20,9 @@ from cpn.scheduler.bruteforce import brute_force
 from cpn.scheduler.instance import Instance, build_instance
 from cpn.scheduler.realize import Counts, complete_flows, counts_of, evaluate_shards, realize
 from cpn.scheduler.solve import _starting_points, objective_key
-from cpn.scheduler.time_bound import iteration_time_bound, peel
+from cpn.scheduler.time_bound import _carried_hop, iteration_time_bound, peel
 from cpn.scheduler.time_decision import decision_model
-from cpn.scheduler.time_flows import balanced_flows
+from cpn.scheduler.time_flows import balanced_flows, boundary_flows
 from cpn.synthetic import benchmark_job, generate_topology
 from tests.factories import job, link, site, topology
 from tests.scheduler_cases import tiny_cases
@@ -207,3 +208,45 @@ def test_an_infeasible_decision_model_is_a_proof(
             event(
                 f"{len(stages)} of {inst.pp} stages, below the least: {solver.status_name(status)}"
             )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_carried_hop_floor_is_below_every_flow_of_those_counts(data: st.DataObject) -> None:
+    # Any counts of two consecutive stages: the least slowest WAN hop over all their
+    # flows (in-site pairs free) is at least what `_carried_hop` claims for a stage on
+    # that many sites, the next on that many, and that many replicas forced to cross.
+    n = data.draw(st.integers(2, 6))
+    dp = data.draw(st.integers(1, 8))
+    links = st.floats(0.001, 1.0)
+    alpha = np.array([[data.draw(links) for _ in range(n)] for _ in range(n)])
+    beta = np.array([[data.draw(links) for _ in range(n)] for _ in range(n)])
+    room_from = np.array([data.draw(st.integers(0, dp)) for _ in range(n)], dtype=np.int64)
+    room_to = np.array([data.draw(st.integers(0, dp)) for _ in range(n)], dtype=np.int64)
+    assume(room_from.sum() >= dp and room_to.sum() >= dp)
+
+    def counts(room: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        out = np.zeros(n, dtype=np.int64)
+        for _ in range(dp):
+            free = [a for a in range(n) if out[a] < room[a]]
+            out[data.draw(st.sampled_from(free))] += 1
+        return out
+
+    x, y = counts(room_from), counts(room_to)
+    i, j = int((x > 0).sum()), int((y > 0).sum())
+    cross = np.zeros((dp, dp), dtype=np.int64)
+    cross[i - 1, j - 1] = dp - int(np.minimum(x, y).sum())
+    floor = _carried_hop(alpha, beta, room_from, room_to, cross)[i - 1, j - 1]
+    free_stay = alpha.copy(), beta.copy()
+    np.fill_diagonal(free_stay[0], 0.0)
+    np.fill_diagonal(free_stay[1], 1e-12)  # as good as free, with a finite capacity
+    src, dst = np.flatnonzero(x), np.flatnonzero(y)
+    idx = np.ix_(src, dst)
+    moves = boundary_flows(free_stay[0][idx], free_stay[1][idx], x[src], y[dst])
+    assert moves is not None
+    slowest_wan = max(
+        (alpha[src[a], dst[b]] + beta[src[a], dst[b]] * v for a, b, v in moves if src[a] != dst[b]),
+        default=0.0,
+    )
+    event(f"claims something: {floor > 0}")
+    assert floor <= slowest_wan * (1 + 1e-9)
