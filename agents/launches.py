@@ -39,9 +39,9 @@ from agents.backends.local import LocalBackend
 from agents.logs import Outbox, new_lines
 from agents.status import status_file
 from agents.tasks import MAX_MESSAGE, TaskUpdate, with_metrics, with_status_line
-from cpn.train.launcher import RunFiles
+from cpn.train.links_file import write_links
+from cpn.train.run_files import RunFiles
 from cpn.train.tail import FileTail
-from cpn.train.wan_auto import write_links
 from proto.cpn.v1 import agent_pb2 as pb
 
 log = logging.getLogger("cpn.agent")
@@ -419,9 +419,14 @@ class LaunchManager:
         """Final states from the backend's status and each node's result.json."""
         status = run.status
         failures: dict[int, dict[str, Any]] = {}
+        # Why a node's launcher itself failed (its rendezvous, before any worker started;
+        # or an error of the launcher's own), in its words.
+        errors: dict[Path, str] = {}
         for root in {r.files.root for r in run.ranks}:
             result = _result(root / "result.json")
             failures.update({int(f["rank"]): f for f in result.get("failures", []) if "rank" in f})
+            if isinstance(result.get("error"), str):
+                errors[root] = result["error"]
         code = status.exit_code if status.exit_code is not None else -1
         # The site took the launch away (an outside cancel, a preemption, a lost node): its
         # word for every rank, before the workers' own failures, which follow from it.
@@ -446,6 +451,8 @@ class LaunchManager:
             elif failures:
                 first = next(iter(failures))
                 self._final(r, pb.TASK_STATE_STOPPED, code, f"ended because worker {first} failed")
+            elif r.files.root in errors and status.state is State.FAILED:
+                self._final(r, pb.TASK_STATE_FAILED, code, errors[r.files.root])
             else:  # the launch itself ended badly: killed, preempted, a node lost, ...
                 state, message = status.task_state()
                 self._final(r, state, code, message)

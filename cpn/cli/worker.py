@@ -317,7 +317,8 @@ def launch(
 
     from cpn.contracts.job import WanCompression  # noqa: PLC0415
     from cpn.errors import InputError  # noqa: PLC0415
-    from cpn.train.launcher import Launch, RunFiles, plan_launch  # noqa: PLC0415
+    from cpn.train.launcher import Launch, plan_launch  # noqa: PLC0415
+    from cpn.train.run_files import RunFiles  # noqa: PLC0415
     from cpn.train.trainer import check_launch, nothing_to_train  # noqa: PLC0415
 
     mine = _ranks(ranks)
@@ -401,7 +402,7 @@ def _run_and_report(spec: Any, result_path: Path | None, on_metrics: Any = None)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
 
-    from cpn.train.launcher import WorkerFailed, outcome  # noqa: PLC0415
+    from cpn.train.launcher import RendezvousFailed, WorkerFailed, outcome  # noqa: PLC0415
     from cpn.train.launcher import run as run_launch  # noqa: PLC0415
 
     # torch's agent narrates every shutdown at WARNING; the outcome is said once, below.
@@ -409,13 +410,16 @@ def _run_and_report(spec: Any, result_path: Path | None, on_metrics: Any = None)
     result: dict[str, Any] = outcome(None)
     try:
         run_launch(spec, on_metrics)
-    except WorkerFailed as exc:
+    except (WorkerFailed, RendezvousFailed) as exc:
         result = outcome(exc)
         raise
     except SignalException as exc:
         result = {"ok": False, "signal": int(exc.sigval)}
         typer.echo(f"stopped by {signal.Signals(exc.sigval).name}; every worker ended", err=True)
         raise typer.Exit(128 + int(exc.sigval)) from None
+    except Exception as exc:  # a bug of ours or torch's: the result must not say ok
+        result = {"ok": False, "error": f"the launcher failed: {type(exc).__name__}: {exc}"}
+        raise
     finally:
         if result_path is not None:
             result_path.write_text(json.dumps(result) + "\n")

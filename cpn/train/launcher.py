@@ -42,9 +42,11 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from cpn.errors import CpnError
+from cpn.train.run_files import RunFiles
 from cpn.train.tail import FileTail
 
 if TYPE_CHECKING:
@@ -54,8 +56,6 @@ if TYPE_CHECKING:
 PLAN_RANKS_ENV = "CPN_PLAN_RANKS"
 #: Set for `cpn worker`: send standard output to the log too, in order.
 MERGE_OUTPUT_ENV = "CPN_MERGE_OUTPUT"
-#: Lines of a failed worker's log that its error carries.
-TAIL_LINES = 20
 
 MetricsCallback = Callable[[int, dict[str, Any]], None]
 
@@ -82,45 +82,11 @@ class WorkerFailed(CpnError):
         super().__init__(f"worker {first.rank} exited with status {first.status}: {first.reason}")
 
 
-@dataclass(frozen=True)
-class RunFiles:
-    """Where a launch keeps each plan rank's files."""
+class RendezvousFailed(CpnError):
+    """This node could not join its run: the rendezvous store could not be served or
+    reached, or the other nodes did not join in time. No worker was started."""
 
-    root: Path
-
-    def log(self, rank: int) -> Path:
-        return self.root / f"rank-{rank}.log"
-
-    @property
-    def checkpoint_request(self) -> Path:
-        """Touched to ask the node's workers for a checkpoint (checkpoint_request.py)."""
-        return self.root / "checkpoint-request"
-
-    @property
-    def wan_links(self) -> Path:
-        """wan: auto — the site agent's newest WAN measurements (cpn.train.wan_auto)."""
-        return self.root / "wan-links.json"
-
-    def stdout(self, rank: int) -> Path:
-        return self.root / f"rank-{rank}.out"
-
-    def error(self, rank: int) -> Path:
-        return self.root / f"rank-{rank}.error.json"
-
-    def metrics(self, rank: int) -> Path:
-        return self.root / f"rank-{rank}.metrics.jsonl"
-
-    @property
-    def metrics_template(self) -> str:
-        """What `cpn worker --metrics` takes: the path with {rank} in it."""
-        return str(self.root / "rank-{rank}.metrics.jsonl")
-
-    def tail(self, rank: int, lines: int = TAIL_LINES) -> list[str]:
-        out: list[str] = []
-        for path in (self.log(rank), self.stdout(rank)):
-            with contextlib.suppress(OSError):
-                out.extend(path.read_text(errors="replace").splitlines())
-        return [line for line in out if line.strip()][-lines:]
+    exit_code = 1
 
 
 class _PlanRankLogs(LogsSpecs):
@@ -308,8 +274,9 @@ def run(launch: Launch, on_metrics: MetricsCallback | None = None) -> None:
     """Run this node's workers to the end.
 
     Raises `WorkerFailed` for the first worker that failed (torch's elastic agent has
-    already ended the others on this node). SIGTERM/SIGINT end every worker and are
-    re-raised as torch's `SignalException`.
+    already ended the others on this node), `RendezvousFailed` when the node could not
+    join the run. SIGTERM/SIGINT end every worker and are re-raised as torch's
+    `SignalException`.
     """
     if not launch.plan_ranks:
         raise ValueError("plan_ranks: a launch needs at least one worker")
@@ -327,6 +294,8 @@ def run(launch: Launch, on_metrics: MetricsCallback | None = None) -> None:
             elastic_launch(_config(launch), sys.executable)(*guarded)
     except ChildFailedError as exc:
         raise _failure(exc, launch) from None
+    except RendezvousError as exc:
+        raise RendezvousFailed(_rendezvous_reason(exc, launch)) from None
     finally:
         if tail is not None:
             tail.stopping.set()
@@ -385,6 +354,17 @@ def _failure(exc: ChildFailedError, launch: Launch) -> WorkerFailed:
     return WorkerFailed(failures, launch.files.tail(failures[0].rank))
 
 
+def _rendezvous_reason(exc: RendezvousError, launch: Launch) -> str:
+    """One line: where, and the innermost cause torch chained (its outer message only says
+    to look at the inner one — "address already in use", "connection refused", ...)."""
+    cause: BaseException = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    what = (str(cause) or type(cause).__name__).strip().splitlines()[0]
+    role = "serving" if launch.is_host else "joining"
+    return f"rendezvous failed ({role} {launch.rdzv_endpoint}), no worker started: {what}"
+
+
 def _reason(message: str, tail: list[str]) -> str:
     """One line: the worker's own error line if it printed one, else torch's message."""
     for line in reversed(tail):
@@ -395,10 +375,13 @@ def _reason(message: str, tail: list[str]) -> str:
     return tail[-1] if tail else "(no output)"
 
 
-def outcome(error: WorkerFailed | None) -> dict[str, Any]:
-    """What `result.json` says: ok, or every failed rank and the first one's last lines."""
+def outcome(error: WorkerFailed | RendezvousFailed | None) -> dict[str, Any]:
+    """What `result.json` says: ok, or every failed rank and the first one's last lines,
+    or why the node could not join the run (`error`: no worker started)."""
     if error is None:
         return {"ok": True}
+    if isinstance(error, RendezvousFailed):
+        return {"ok": False, "error": str(error)}
     return {
         "ok": False,
         "failures": [
@@ -414,10 +397,10 @@ def main(argv: list[str]) -> int:
 
     doc = json.loads(Path(argv[1]).read_text())
     launch = Launch(**{**doc, "run_dir": Path(doc["run_dir"])})
-    error: WorkerFailed | None = None
+    error: WorkerFailed | RendezvousFailed | None = None
     try:
         run(launch)
-    except WorkerFailed as exc:
+    except (WorkerFailed, RendezvousFailed) as exc:
         error = exc
         print(f"error: {exc}", file=sys.stderr)
     finally:

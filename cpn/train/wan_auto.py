@@ -5,7 +5,7 @@ measured links — a dense fp16 warm-up, then a rung of `cpn.wan_schedule.LADDER
 figures it rests on (sites, compute time per iteration, target share). The site agent
 keeps measuring its WAN links during the run and writes the newest measurement per peer
 site to a small JSON file in the launch's run directory (`wan-links.json`, format in
-`read_narrowest`); `cpn launch` passes its path to the workers (`--wan-links`).
+`cpn.train.links_file`); `cpn launch` passes its path to the workers (`--wan-links`).
 
 Every step every rank reads its file (only when its mtime changed) and contributes the
 narrowest bandwidth to the job's other sites, in kbit/s, to an asynchronous all-reduce of
@@ -26,11 +26,7 @@ The latency of the link is the plan's (the agreed figure is the bandwidth only).
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,88 +36,16 @@ import torch
 from cpn.comm.flag import StepMax
 from cpn.comm.traffic import Traffic
 from cpn.contracts.job import CompressionSpec, JobSpec, WanCompression
-from cpn.contracts.limits import MAX_GBPS
 from cpn.contracts.plan import Plan
+from cpn.train.links_file import LinksFileError, read_narrowest
 from cpn.wan_schedule import LADDER, Budget, Link, rung_spec
 
 log = logging.getLogger("cpn.train")
 
-#: The file the site agent writes in each launch's run directory.
-LINKS_FILE = "wan-links.json"
 #: Sent by a rank that has no measurement: larger than any link, so it never is the minimum.
 UNMEASURED_KBPS = 1 << 62
 #: The first outer rung: where a run on outer steps stops going back towards precision.
 FIRST_OUTER_RUNG = next(i for i, s in enumerate(LADDER) if s.wan is WanCompression.OUTER)
-
-
-#: The agent's file is a few hundred bytes; anything far larger is not its file.
-MAX_LINKS_BYTES = 1 << 20
-
-
-class LinksFileError(ValueError):
-    """The links file exists but cannot be used (one line: what is wrong with it)."""
-
-
-def read_narrowest(path: Path, sites: set[str]) -> float | None:
-    """The narrowest measured bandwidth (Gbit/s) to any of `sites` in the agent's file,
-    or None (no file, or no such site measured). The file:
-
-        {"site": "a", "links": {"b": {"bandwidth_gbps": 0.05, "rtt_ms": 40.0,
-                                      "measured_at": 1795000000.0}}}
-
-    Raises `LinksFileError` for a file that is there but unusable: not a regular file
-    (a FIFO or a device would block the step or never end), larger than
-    MAX_LINKS_BYTES, not JSON (also nested beyond the parser's recursion), not of this
-    shape, or a bandwidth that is not a number in (0, MAX_GBPS] — a figure beyond every
-    link would not fit the 64-bit agreement.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise LinksFileError(f"cannot open: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise LinksFileError("not a regular file")
-        if info.st_size > MAX_LINKS_BYTES:
-            raise LinksFileError(f"{info.st_size} bytes, more than {MAX_LINKS_BYTES}")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_LINKS_BYTES + 1)
-    except OSError as exc:
-        raise LinksFileError(f"cannot read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_LINKS_BYTES:
-        raise LinksFileError(f"more than {MAX_LINKS_BYTES} bytes")
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise LinksFileError(f"not JSON ({str(exc)[:100]})") from None
-    links = doc.get("links") if isinstance(doc, dict) else None
-    if not isinstance(links, dict):
-        raise LinksFileError('no "links" object')
-    found = []
-    for peer, v in links.items():
-        if peer not in sites:
-            continue
-        g = v.get("bandwidth_gbps") if isinstance(v, dict) else None
-        if isinstance(g, bool) or not isinstance(g, int | float):
-            raise LinksFileError(f"links.{str(peer)[:64]}.bandwidth_gbps: not a number")
-        if not (math.isfinite(g) and 0 < g <= MAX_GBPS):
-            raise LinksFileError(
-                f"links.{str(peer)[:64]}.bandwidth_gbps: {g!r} is not in (0, {MAX_GBPS:g}]"
-            )
-        found.append(float(g))
-    return min(found) if found else None
-
-
-def write_links(path: Path, site: str, links: dict[str, dict[str, float]]) -> None:
-    """Write the agent's file atomically (a worker never reads half of it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"site": site, "links": links}, sort_keys=True))
-    tmp.replace(path)
 
 
 @dataclass

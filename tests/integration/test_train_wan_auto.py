@@ -27,8 +27,8 @@ from cpn.contracts.job import CompressionSpec, WanCompression
 from cpn.contracts.plan import WanPhase, predicted_bytes
 from cpn.scheduler import SolverSettings, plan_job
 from cpn.train.launcher import train_local
+from cpn.train.links_file import write_links
 from cpn.train.trainer import TrainOptions
-from cpn.train.wan_auto import write_links
 from cpn.wan_schedule import LADDER, run_wan_bytes, rung_spec
 from tests.integration.runtime import TOPOLOGY, tiny_job
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -222,6 +223,28 @@ def test_a_store_whose_filesystem_is_not_installed_is_refused_before_any_worker(
     assert one_line_error(out) == line
     assert time.monotonic() - start < 60, "no worker was waited on"
     assert not work.exists(), "no worker was started"
+
+
+def test_a_rendezvous_port_taken_on_the_host_is_one_line_and_a_result(tmp_path: Path) -> None:
+    """The node that serves the rendezvous finds its port taken: no worker starts, one
+    line names the endpoint and the cause, and result.json says so (it said ok)."""
+    plan, spec = files(tmp_path)
+    work = tmp_path / "work"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = cli("launch", "--plan", plan, "--job", spec, "--ranks", "0,1,2,3",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--workdir", str(work))  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    prefix = f"error: rendezvous failed (serving 127.0.0.1:{port}), no worker started: "
+    assert lines[0].startswith(prefix) and "address already in use" in lines[0], lines[0]
+    result = json.loads((work / "result.json").read_text())
+    assert result == {"ok": False, "error": lines[0].removeprefix("error: ")}
+    assert not list(work.glob("rank-*.log")), "no worker was started"
 
 
 def _finished_run(tmp: Path, step: int) -> tuple[str, str, str]:

@@ -19,13 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpn.contracts.limits import MAX_GBPS
-from cpn.train.wan_auto import (
-    MAX_LINKS_BYTES,
-    LinksFileError,
-    _LinksFile,
-    read_narrowest,
-    write_links,
-)
+from cpn.train.links_file import MAX_LINKS_BYTES, LinksFileError, read_narrowest, write_links
+from cpn.train.wan_auto import _LinksFile
 
 PEERS = {"west"}
 
