@@ -34,7 +34,15 @@ from agents.config import AgentConfig, KubernetesSettings
 from agents.control import ControlLink, SessionEnded
 from agents.convert import node_message
 from agents.discovery.gpus import DiscoveredGpu, sample_usage
-from agents.events import HealthEvent, HealthState, HeartbeatEvent, Peers, ProbeEvent, run_events
+from agents.events import (
+    HealthEvent,
+    HealthState,
+    HeartbeatEvent,
+    Peers,
+    ProbeEvent,
+    cancel_all,
+    run_events,
+)
 from agents.hardware import Hardware
 from agents.launches import LaunchManager
 from agents.links import LinkBook
@@ -315,21 +323,21 @@ class Agent:
             HealthEvent(self._check_health, self.health),
         ]
         tasks = [
-            asyncio.create_task(run_events(events)),
-            asyncio.create_task(self._watch()),
-            asyncio.create_task(self.reports.deliver(self._request, self.control.report)),
+            asyncio.create_task(run_events(events), name="events"),
+            asyncio.create_task(self._watch(), name="orders"),
+            asyncio.create_task(
+                self.reports.deliver(self._request, self.control.report), name="reports"
+            ),
         ]
         if self.launches.engine.site_wide:
-            tasks.append(asyncio.create_task(self._watch_capacity()))
+            tasks.append(asyncio.create_task(self._watch_capacity(), name="capacity"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
             raise SessionEnded("session ended")
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
             self.control.close_stream()
 
     # ------------------------------------------------------------------ session work

@@ -163,8 +163,10 @@ class ControlLink:
         else:
             if self._beats is None:
                 self._beats = self.stub.HeartbeatStream(metadata=self.metadata)
-            await asyncio.wait_for(self._beats.write(request), timeout)
-            answer = await asyncio.wait_for(self._beats.read(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see agents/events.py
+                await self._beats.write(request)
+            async with asyncio.timeout(timeout):
+                answer = await self._beats.read()
             if answer is aio.EOF:  # the server ended the stream without an error
                 raise SessionEnded("the control plane closed the heartbeat stream")
             response = answer

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from agents.links import LinkBook
 from agents.probe import ProbeResult, measure
@@ -164,8 +166,14 @@ async def run_events(events: list[PeriodicEvent]) -> None:
                 continue
             await asyncio.sleep(min(remaining, event.min_gap_s))
             if not wake.is_set():
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result
+                # when the wait ends just as the task is cancelled, swallowing the cancel —
+                # this loop then ran on for ever and the agent's session never ended
+                # (caught by the chaos test under load). The same holds for every wait_for
+                # in the agent's and the control plane's long-lived tasks.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), max(0.0, remaining - event.min_gap_s))
+                    async with asyncio.timeout(max(0.0, remaining - event.min_gap_s)):
+                        await wake.wait()
             wake.clear()
 
     tasks = [asyncio.create_task(loop(e), name=type(e).__name__) for e in events]
@@ -174,6 +182,32 @@ async def run_events(events: list[PeriodicEvent]) -> None:
         for task in done:
             task.result()
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
+
+
+#: How long a cancelled task of a session may take to end before it is left behind.
+CANCEL_WAIT_S = 10.0
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]], wait_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel `tasks` and wait for them, at most `wait_s`: a task that does not end (an
+    await that ignores its cancellation) is logged with where it waits and left behind.
+    Waiting for ever here would leave the agent alive, silent and without a session — no
+    heartbeats, no orders — which is worse than a leaked task."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, timeout=wait_s)
+    for task in done:  # their errors were the caller's to raise: retrieved, not logged
+        if not task.cancelled():
+            task.exception()
+    for task in pending:
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        log.error(
+            "task %s did not end %g s after it was cancelled; left behind. %s",
+            task.get_name(),
+            wait_s,
+            stack.getvalue().rstrip(),
+        )

@@ -74,6 +74,11 @@ class ProbeServer:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             return
+        except asyncio.CancelledError:
+            # The agent is ending (asyncio.run cancels what is left, a peer's connection
+            # among it). Ending normally: Python 3.11's start_server callback calls
+            # task.exception() on the handler and logs a cancelled one as a traceback.
+            return
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -85,14 +90,16 @@ async def measure(
 ) -> ProbeResult:
     """RTT (median of `pings`) and throughput (one transfer) to a peer's probe endpoint."""
     host, _, port = address.rpartition(":")
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    async with asyncio.timeout(timeout):  # not wait_for: see agents/events.py
+        reader, writer = await asyncio.open_connection(host, int(port))
     try:
         rtts = []
         for _ in range(pings):
             start = time.perf_counter()
             writer.write(_HEADER.pack(b"P", 0))
             await writer.drain()
-            await asyncio.wait_for(reader.readexactly(1), timeout)
+            async with asyncio.timeout(timeout):
+                await reader.readexactly(1)
             rtts.append((time.perf_counter() - start) * 1000)
         size = min(transfer_bytes, MAX_TRANSFER_BYTES)
         start = time.perf_counter()
@@ -100,7 +107,8 @@ async def measure(
         await writer.drain()
         received = 0
         while received < size:
-            data = await asyncio.wait_for(reader.read(min(1 << 20, size - received)), timeout)
+            async with asyncio.timeout(timeout):
+                data = await reader.read(min(1 << 20, size - received))
             if not data:
                 raise ConnectionError("probe peer closed the connection mid-transfer")
             received += len(data)

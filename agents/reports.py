@@ -45,7 +45,14 @@ class ReportQueue:
 
     async def deliver(self, request_of: Request, send: Send) -> None:
         """Send what waits, as it comes, until cancelled or a send fails (which ends the
-        session; the updates stay for the next one)."""
+        session; the updates stay for the next one).
+
+        What an earlier session left undelivered goes first: a launch that ended while
+        the control plane was away has no further update to wake this loop, and its final
+        state would otherwise wait for ever (its job RUNNING on the control plane, which
+        sees the agent back and still following the launch)."""
+        if self._updates:
+            self._changed.set()
         while True:
             await self._changed.wait()
             self._changed.clear()

@@ -113,7 +113,8 @@ class LocalBackend:
     async def wait(self, handle: Handle, timeout_s: float) -> None:
         """Return when the launcher exits or after `timeout_s`, whichever is first."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._run(handle).process.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: see agents/events.py
+                await self._run(handle).process.wait()
 
     async def cancel(self, handle: Handle, grace_s: float) -> None:
         """SIGTERM the launcher (it ends its workers), SIGKILL its group after the grace."""
@@ -123,7 +124,8 @@ class LocalBackend:
         run.cancelled = True
         _signal_group(run.process, signal.SIGTERM)
         try:
-            await asyncio.wait_for(run.process.wait(), grace_s)
+            async with asyncio.timeout(grace_s):
+                await run.process.wait()
         except TimeoutError:
             _signal_group(run.process, signal.SIGKILL)
             await run.process.wait()

@@ -159,10 +159,8 @@ class SlurmBackend:
         except OSError as exc:
             raise BackendError(f"slurm: cannot run {argv[0]}: {exc.strerror or exc}") from None
         try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(stdin.encode() if stdin is not None else None),
-                self.options.command_timeout_s,
-            )
+            async with asyncio.timeout(self.options.command_timeout_s):  # see agents/events.py
+                out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
         except TimeoutError:
             proc.kill()
             await proc.wait()

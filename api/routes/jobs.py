@@ -301,8 +301,11 @@ async def job_logs(
                     yield format_sse_event(data_str=json.dumps(end), event="end")
                     return
                 if not lines:
+                    # Not wait_for: Python 3.11's swallows a cancel (the client left) that
+                    # comes as the wait ends, and the stream would poll on for nobody.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stopping.wait(), FOLLOW_POLL_S)
+                        async with asyncio.timeout(FOLLOW_POLL_S):
+                            await stopping.wait()
                 if stopping.is_set():
                     yield error(f"the server is shutting down; follow again after line {last}")
                     return

@@ -265,8 +265,10 @@ class AssignmentDispatcher:
                 await self._run_db(self._delivered, pk)
             if rows or replaced():
                 continue
+            # Not wait_for: Python 3.11's swallows a cancel that comes as the wait ends.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), self.poll_s)
+                async with asyncio.timeout(self.poll_s):
+                    await changed.wait()
 
 
 def _order_id() -> str:

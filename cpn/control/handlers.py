@@ -9,7 +9,11 @@ a lenient deserializer (`proto.decoding.lenient`) and a wrapper that
 - turns any exception the servicer did not expect into INTERNAL with a short, fixed
   message (the traceback goes to the log), never UNKNOWN with the exception's text —
   which may quote a whole request;
-- clips every status details to `MAX_DETAILS_BYTES`.
+- clips every status details to `MAX_DETAILS_BYTES`;
+- leaves grpc's own errors about the call (an abort, a send on a call whose peer has
+  gone) to grpc: an agent whose link was cut makes the servicer's answer fail with
+  `ExecuteBatchError`, which grpc drops quietly when the client has closed — wrapping it
+  as INTERNAL aborted a dead call twice and logged two tracebacks.
 
 The methods come from the service descriptor, so a method added to the .proto is bound
 here without a change (a client-streaming one would fail loudly: none exists).
@@ -55,7 +59,7 @@ def _unary(method: str, behaviour: Any) -> Any:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
             return await behaviour(request, context)
-        except aio.AbortError:
+        except (aio.AbortError, aio.InternalError):
             raise
         except Exception as exc:
             await _unexpected(context, method, exc)
@@ -70,7 +74,7 @@ def _server_stream(method: str, behaviour: Any) -> Any:
         try:
             async for item in behaviour(request, context):
                 yield item
-        except aio.AbortError:
+        except (aio.AbortError, aio.InternalError):
             raise
         except Exception as exc:
             await _unexpected(context, method, exc)
@@ -89,7 +93,7 @@ def _bidi_stream(method: str, behaviour: Any) -> Any:
         try:
             async for item in behaviour(decoded(), context):
                 yield item
-        except aio.AbortError:
+        except (aio.AbortError, aio.InternalError):
             raise
         except Exception as exc:
             await _unexpected(context, method, exc)

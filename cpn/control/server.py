@@ -36,6 +36,7 @@ from cpn.registry.leases import (
     HeartbeatRecord,
     StoredLease,
     apply_heartbeats,
+    is_current_lease,
     live_leases,
     mark_lost,
 )
@@ -190,9 +191,17 @@ class ControlServer:
         if self.state.registry.dialect == "postgresql":
             await self.state.run_db(self._reap_stored)
         expired = self.leases.expired()
+        reaped: list[LiveLease] = []
         for lease in expired:
+            # The list was taken before the awaits below: an agent may have registered
+            # again meanwhile (its new lease replaced this one). Closing its stream now
+            # would close the new session's, which the agent, renewing its new lease,
+            # would never notice — its orders would wait for ever.
+            if self.leases.get(lease.lease_id) is not lease:
+                continue
             self.leases.remove(lease)
             self.dispatcher.close(lease.site, lease.agent_id)
+            reaped.append(lease)
             gpus, dropped = await self.state.run_db(self._mark_lost, lease)
             self._tell_loss(lease.site, lease.agent_id)
             log.warning(
@@ -202,7 +211,7 @@ class ControlServer:
                 gpus,
                 dropped,
             )
-        return expired
+        return reaped
 
     def _reap_stored(self) -> None:
         settings = self.state.settings
@@ -243,6 +252,8 @@ class ControlServer:
             if self._renewed_elsewhere(session, lease):
                 log.info("lease of %s/%s is renewed elsewhere: let go", lease.site, lease.agent_id)
                 return 0, 0
+            if not is_current_lease(session, lease.agent_pk, lease.lease_id):
+                return 0, 0  # registered again since: its orders are the new session's
             dropped = drop_orders(session, lease.site, lease.agent_id)
             reason = "lease expired"
             if dropped:

@@ -163,8 +163,11 @@ class Orchestrator:
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
+            # comes as the wait ends, and this loop would then outlive the server's stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), self.settings.schedule_interval_s)
+                async with asyncio.timeout(self.settings.schedule_interval_s):
+                    await self._wakeup.wait()
             # Many wake-ups in a burst (a submission each) make one tick, not one each:
             # ticks start at most every MIN_TICK_GAP_S.
             pause = self._last_tick + MIN_TICK_GAP_S - time.monotonic()

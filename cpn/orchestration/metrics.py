@@ -48,9 +48,7 @@ class _RegistryCollector(Collector):
         with self.registry.read() as session:
             counts = {
                 state: int(n)
-                for state, n in session.execute(
-                    select(Job.state, func.count()).group_by(Job.state)
-                ).tuples()
+                for state, n in session.execute(select(Job.state, func.count()).group_by(Job.state))
             }
             for state in JobState:
                 jobs.add_metric([state.value], counts.get(state, 0))
@@ -69,7 +67,7 @@ class _RegistryCollector(Collector):
                 select(Job.plan, sums.c.sent)
                 .join(sums, sums.c.job_id == Job.id)
                 .where(Job.plan.is_not(None))
-            ).tuples()
+            )
             for plan, sent in list(measured):
                 links = (plan or {}).get("bytes_per_iteration", {}).get("wan_links", {})
                 total = sum(links.values())

@@ -131,6 +131,12 @@ def _upsert_links(session: Session, rows: list[dict[str, object]]) -> None:
     session.execute(stmt, rows)
 
 
+def is_current_lease(session: Session, agent_pk: int, lease_id: str) -> bool:
+    """Whether `lease_id` is the agent's lease now (not one a registration replaced)."""
+    agent = session.get(Agent, agent_pk)
+    return agent is not None and agent.lease is not None and agent.lease.lease_id == lease_id
+
+
 def mark_lost(session: Session, agent_pk: int, lease_id: str, now: datetime, reason: str) -> int:
     """Declare an agent lost: its lease revoked, its GPUs lost, an event. Returns GPUs lost.
 
@@ -140,7 +146,7 @@ def mark_lost(session: Session, agent_pk: int, lease_id: str, now: datetime, rea
     agent = session.get(Agent, agent_pk)
     if agent is None or agent.status == AgentStatus.LOST:
         return 0
-    if agent.lease is None or agent.lease.lease_id != lease_id:
+    if not is_current_lease(session, agent_pk, lease_id):
         return 0
     agent.status = AgentStatus.LOST
     agent.lost_at = now

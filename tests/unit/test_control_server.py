@@ -661,3 +661,40 @@ def test_a_registration_with_bad_launches_is_refused_naming_them(
         code, details = _code(lambda: _register(client, launches=launches, launches_listed=True))
         assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith(words), details
         channel.close()
+
+
+def test_a_lease_replaced_while_the_reaper_works_is_not_reaped(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper takes its list of expired leases, then awaits the database for each: an
+    agent may register again in between (seen in the chaos test under load: an agent
+    back from an outage registered just as its restored lease was reaped). The replaced
+    lease must not cost the new session anything: not its stream, not its queued orders,
+    not the agent's status. The interleaving is made exact by handing the reaper the list
+    it took before the registration."""
+    with control_server(db_url, lease_ttl_s=1.0, reaper_interval_s=3600) as srv:
+        channel, client = stub(srv.server.port)
+        old = _register(client).lease_id
+        wait_for(
+            lambda: srv.on_loop(lambda: bool(srv.server.leases.expired())),
+            what="the first lease to expire",
+        )
+        stale = srv.on_loop(srv.server.leases.expired)
+        assert [lease.lease_id for lease in stale] == [old]
+        new = _register(client).lease_id  # the agent is back: a new lease, a new session
+        watch = pb.WatchAssignmentsRequest(site="a", agent_id="agent-1", lease_id=new)
+        stream = client.WatchAssignments(watch, metadata=auth("a"), timeout=120)
+        _heartbeat(client, new)
+        # The list the reaper took before the registration:
+        monkeypatch.setattr(srv.server.leases, "expired", lambda now_mono=None: stale)
+        assert srv.run(srv.server.reap()) == []
+        stop_id = srv.server.dispatcher.stop("a", "agent-1", job_id="job-9")
+        assert next(stream).order_id == stop_id  # the new session's stream still serves
+        _heartbeat(client, new)
+        with srv.registry.read() as s:
+            agent = s.scalars(select(Agent).where(Agent.agent_id == "agent-1")).one()
+            assert agent.status != AgentStatus.LOST
+            assert {g.status for g in s.scalars(select(Gpu))} == {GpuStatus.AVAILABLE}
+            assert s.scalars(select(Order.state)).all() == [OrderState.DELIVERED]
+        stream.cancel()
+        channel.close()

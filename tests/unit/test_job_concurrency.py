@@ -73,11 +73,12 @@ def test_simultaneous_submissions_never_allocate_a_gpu_twice(registry: Registry)
         gpu_ids = s.scalars(select(Allocation.gpu_id)).all()
         jobs = s.scalars(select(Job)).all()
         ports = s.execute(select(RendezvousPort.host, RendezvousPort.port)).all()
-        per_job = dict(
-            s.execute(select(Allocation.job_id, func.count()).group_by(Allocation.job_id))
-            .tuples()
-            .all()
-        )
+        per_job: dict[str, int] = {
+            job_id: n
+            for job_id, n in s.execute(
+                select(Allocation.job_id, func.count()).group_by(Allocation.job_id)
+            )
+        }
     assert len(jobs) == 2 * PER_PROCESS
     assert len(gpu_ids) == len(set(gpu_ids)) == GPUS  # every GPU once, none twice
     scheduled = [j for j in jobs if j.state is JobState.SCHEDULED]

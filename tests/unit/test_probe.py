@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -16,9 +18,9 @@ from agents.links import LinkBook
 from agents.probe import MAX_TRANSFER_BYTES, ProbeResult, ProbeServer, measure
 from agents.tasks import TaskUpdate
 from cpn.contracts.limits import MIN_GBPS
-from cpn.train.launcher import RunFiles
+from cpn.train.links_file import read_narrowest
+from cpn.train.run_files import RunFiles
 from cpn.train.tail import FileTail
-from cpn.train.wan_auto import read_narrowest
 from proto.cpn.v1 import agent_pb2 as pb
 
 T = TypeVar("T")
@@ -46,7 +48,8 @@ def test_an_oversized_transfer_request_is_hung_up_on() -> None:
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(struct.pack(">cQ", b"T", MAX_TRANSFER_BYTES + 1))
         await writer.drain()
-        data = await asyncio.wait_for(reader.read(), 10)
+        async with asyncio.timeout(10):
+            data = await reader.read()
         writer.close()
         return data
 
@@ -93,3 +96,23 @@ def test_measurements_reach_the_run_directories_of_running_launches(tmp_path: Pa
     assert read_narrowest(files.wan_links, {"b"}) == 10.0  # only the job's sites count
     assert read_narrowest(files.wan_links, {"d"}) is None
     assert not ended.wan_links.exists()  # not a running launch's
+
+
+def test_an_agent_ending_with_a_peer_connected_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer's probe connection is open when the agent ends: asyncio.run cancels its
+    handler, which must end quietly (Python 3.11 logged it as 'Exception in callback')."""
+    peer = socket.socket()
+
+    async def agent() -> None:
+        server = ProbeServer("127.0.0.1", 0)
+        port = await server.start()
+        await asyncio.to_thread(peer.connect, ("127.0.0.1", port))
+        await asyncio.sleep(0.2)  # the server has taken the connection: its handler waits
+        await server.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        asyncio.run(agent())
+    peer.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

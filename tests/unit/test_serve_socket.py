@@ -24,7 +24,8 @@ def test_accepted_connections_have_tcp_nodelay() -> None:
         server = await asyncio.start_server(on_connection, sock=sock)
         async with server:
             _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
-            nodelay = await asyncio.wait_for(accepted, 10)
+            async with asyncio.timeout(10):
+                nodelay = await accepted
             writer.close()
         return nodelay
 
