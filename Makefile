@@ -16,8 +16,12 @@ lint: setup
 typecheck: setup
 	.venv/bin/mypy cpn api agents proto migrations bench tests
 
+# Two pytest-xdist workers (most tests wait on processes, leases and restarts), files that
+# share namespaces or Slurm process names kept on one worker (tests/conftest.py); then the
+# measurements other tests would disturb, alone.
 unit: setup
-	.venv/bin/pytest -q
+	.venv/bin/pytest -q -n 2 --dist loadgroup -m "not serial"
+	.venv/bin/pytest -q -m serial
 
 # Everything CI runs: lint, types, the whole test suite.
 test: lint typecheck unit

@@ -37,7 +37,7 @@ from sqlalchemy import select
 from api.job_schemas import JobPublic
 from cpn.client import ApiError, CpnClient
 from cpn.registry import Registry
-from cpn.registry.models import Order, OrderState
+from cpn.registry.models import Event, Order, OrderState, Task
 from tests.processes import worker_pids
 from tests.service_harness import Cluster, cluster, make_key, tiny_job
 
@@ -101,6 +101,8 @@ class ChaosReport:
     kills: Counter[str] = field(default_factory=Counter)
     faults: list[Fault] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # reasons of failed jobs
+    #: Per job that never ended: its ranks, events, agents' lines and run files' tails.
+    diagnoses: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
     @property
@@ -312,6 +314,39 @@ class ChaosRun:
             else:
                 r.unfinished += 1
                 r.failures.append(f"{job.id} ({job.name}): still {state}: {job.reason}")
+                r.diagnoses.append(self._diagnose(job))
+
+    def _diagnose(self, job: JobPublic) -> str:
+        """What a job that never ended left behind: its ranks and events as the control
+        plane has them, what the agents logged of it, and the tails of its run files — a
+        CI failure's only record (its temporary directory is gone)."""
+        out = [f"== {job.id} ({job.name}) {job.state.value} epoch {job.epoch}: {job.reason}"]
+        registry = Registry(self.c.db_url)
+        try:
+            with registry.read() as session:
+                for t in session.scalars(select(Task).where(Task.job_id == job.id)):
+                    out.append(
+                        f"task rank {t.rank} epoch {t.epoch} {t.site} {t.state.value} "
+                        f"step {t.step} updated {t.updated_at:%H:%M:%S} "
+                        f"progressed {t.progressed_at or '-'} {t.message[:200]!r}"
+                    )
+                for e in session.scalars(
+                    select(Event).where(Event.job_id == job.id).order_by(Event.id)
+                ):
+                    out.append(f"event {e.at:%H:%M:%S.%f} {e.kind} {e.message[:200]}")
+        finally:
+            registry.dispose()
+        serve = [line for line in self.c.serve.text().splitlines() if job.id in line]
+        out += [f"serve: {line}" for line in serve[-40:]]
+        for site, agent in self.c.agents.items():
+            lines = [line for line in agent.text().splitlines() if job.id in line]
+            out += [f"agent {site}: {line}" for line in lines[-40:]]
+            run_dir = self.c.tmp / f"work-{site}" / job.id
+            for path in sorted(run_dir.glob("*")) if run_dir.is_dir() else []:
+                if path.suffix in (".log", ".out") or path.name == "result.json":
+                    tail = path.read_text(errors="replace").splitlines()[-15:]
+                    out += [f"{site}/{path.name}: {line}" for line in tail]
+        return "\n".join(out)
 
 
 def _job_of(pid: int) -> str | None:

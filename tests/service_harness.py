@@ -14,7 +14,16 @@ import httpx
 
 from api.job_schemas import EventPublic
 from cpn.client import ApiError, CpnClient
-from tests.processes import CPN, Proc, agent_argv, free_port, serve_argv, wait_until, write_tokens
+from tests.processes import (
+    CPN,
+    Proc,
+    agent_argv,
+    free_port,
+    free_port_block,
+    serve_argv,
+    wait_until,
+    write_tokens,
+)
 
 
 def tiny_job(name: str = "tiny", *, dp: int = 2, pp: int = 2, steps: int = 6, **extra: object):
@@ -117,10 +126,9 @@ def cluster(
         "--heartbeat-interval", f"{heartbeat:g}", *serve_extra,
         *(("--host", "0.0.0.0") if control_host else ()),
     )  # fmt: skip
-    # Rendezvous ports of this cluster's own, near a port free now: other test runs on
-    # the machine use the default range on 127.0.0.1 too.
-    base = free_port()
-    base = min(base, 65535 - 64)
+    # Rendezvous ports of this cluster's own: other test runs on the machine use the
+    # default range on 127.0.0.1 too.
+    base = free_port_block(64)
     serve_env = {
         "CPN_SCHEDULE_INTERVAL_S": "0.2",
         "CPN_STOP_GRACE_S": "8",

@@ -160,31 +160,45 @@ class SlurmCluster:
     def kill_node(self, node: str) -> None:
         """The node crashes: SIGKILL its slurmd, its step daemons (slurmstepd, which Slurm
         detaches from slurmd) and their processes (SLURMD_NODENAME=node), as a power loss
-        would; the controller then finds it unresponsive and fails its jobs (NODE_FAIL)."""
-        proc = self.procs.pop(f"slurmd-{node}")
-        proc.kill()
-        proc.wait(10)
+        would; the controller then finds it unresponsive and fails its jobs (NODE_FAIL).
+
+        Every one of them is frozen (SIGSTOP) before any is killed: a daemon that outlives
+        another by a moment reports what it sees — srun losing its step's daemon exits
+        non-zero, and the batch step's daemon reported that as FAILED, exit 233, instead of
+        the node's loss. Step daemons are found by their title, `slurmstepd: [JOB.STEP]`,
+        for the jobs the controller has on the node (found as the parents of processes
+        with the node's environment, a batch step's daemon was missed: 2 CI runs in many),
+        the node's other processes by their environment, and everything below them."""
+        jobs = self.run("squeue", "-h", "-w", node, "-o", "%A", check=False).split()
+        titles = tuple(f"slurmstepd: [{job}.".encode() for job in jobs)
+        slurmd = self.procs.pop(f"slurmd-{node}")
         marker = f"SLURMD_NODENAME={node}".encode()
         mine = f"SLURM_CONF={self.conf}".encode()
-        on_node, stepds = set(), set()
+        parents: dict[int, int] = {}
+        doomed: set[int] = set()
         for pid_dir in Path("/proc").iterdir():
             if not pid_dir.name.isdigit():
                 continue
-            with suppress(OSError):
+            pid = int(pid_dir.name)
+            with suppress(OSError, IndexError, ValueError):
+                parents[pid] = int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if titles and (pid_dir / "cmdline").read_bytes().startswith(titles):
+                    doomed.add(pid)
                 names = (pid_dir / "environ").read_bytes().split(b"\0")
                 if marker in names and mine in names:
-                    on_node.add(int(pid_dir.name))
-                    parent = int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    if b"slurmstepd" in Path(f"/proc/{parent}/cmdline").read_bytes():
-                        stepds.add(parent)
-        # Frozen first, then killed: a step daemon that outlives another by a moment can
-        # report what it sees (srun losing its step's daemon exits non-zero, and the batch
-        # step's daemon reported that as FAILED, exit 233, instead of the node's loss — 1
-        # CI run in many). Stopped processes see nothing and report nothing.
+                    doomed.add(pid)
+        # With their step daemons, every process below them (the batch script, srun, the
+        # workers), whatever their environment says.
+        grown = True
+        while grown:
+            below = {pid for pid, parent in parents.items() if parent in doomed} - doomed
+            doomed |= below
+            grown = bool(below)
         for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in [*stepds, *on_node]:
+            for pid in [slurmd.pid, *sorted(doomed)]:
                 with suppress(OSError):
                     os.kill(pid, sig)
+        slurmd.wait(10)
 
     def _all_idle(self) -> bool:
         out = self.run("sinfo", "-h", "-N", "-p", "cpn", "-o", "%N %t", check=False)

@@ -16,7 +16,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Offset of tcpi_bytes_sent (__u64) in struct tcp_info (include/uapi/linux/tcp.h).
+#: Offsets of tcpi_bytes_received and tcpi_bytes_sent (__u64) in struct tcp_info
+#: (include/uapi/linux/tcp.h).
+_BYTES_RECEIVED_OFFSET = 128
 _BYTES_SENT_OFFSET = 200
 _TCP_INFO_SIZE = 256
 
@@ -26,6 +28,7 @@ class Connection:
     local: str  # address:port of this end
     peer: str  # address:port of the other end
     bytes_sent: int
+    bytes_received: int
 
 
 def _address(addr: tuple[str, int] | tuple[str, int, int, int]) -> str:
@@ -51,5 +54,7 @@ def own_connections() -> list[Connection]:
                 if len(info) < _BYTES_SENT_OFFSET + 8:
                     raise RuntimeError("this kernel's tcp_info has no bytes_sent (Linux < 4.19)")
                 (sent,) = struct.unpack_from("Q", info, _BYTES_SENT_OFFSET)
-                found.append(Connection(_address(sock.getsockname()), _address(peer), sent))
+                (received,) = struct.unpack_from("Q", info, _BYTES_RECEIVED_OFFSET)
+                local = _address(sock.getsockname())
+                found.append(Connection(local, _address(peer), sent, received))
     return found

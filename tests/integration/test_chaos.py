@@ -23,12 +23,13 @@ def test_a_short_chaos_run_loses_no_job(tmp_path: Path) -> None:
         fault_every_s=(2.0, 4.0),
         steps=(6, 10),
         recover_wait_s=30.0,
-        drain_s=150.0,
+        drain_s=240.0,  # ends when every job has; a loaded CI host needs the headroom
     )
     report = run_chaos(tmp_path, config)
     assert report.kills == Counter(agent=1, worker=1, control=1)
     assert report.submitted >= 2
-    assert report.lost == 0, report.failures
+    # A job that never ended is printed whole: CI keeps nothing else of the run.
+    assert report.lost == 0, "\n".join(report.failures + report.diagnoses)
     assert report.broken_series == 0, report.failures
     assert report.unrecovered() == 0, report.faults
     assert report.repeated_orders == 0

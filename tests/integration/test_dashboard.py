@@ -43,17 +43,25 @@ def browser() -> Iterator[WebDriver]:
         driver.quit()
 
 
+# The page redraws its tables and charts every refresh, so an element found by one
+# WebDriver call can be gone by the next (StaleElementReferenceException under load).
+# Each helper reads what it needs in one script, which runs between two redraws.
 def _texts(driver: WebDriver, css: str) -> list[str]:
-    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+    script = "return Array.from(document.querySelectorAll(arguments[0]), e => e.innerText)"
+    return list(driver.execute_script(script, css))
 
 
 def _attrs(driver: WebDriver, css: str, name: str) -> set[str]:
-    found = (e.get_attribute(name) for e in driver.find_elements(By.CSS_SELECTOR, css))
-    return {a for a in found if a is not None}
+    script = (
+        "return Array.from(document.querySelectorAll(arguments[0]),"
+        " e => e.getAttribute(arguments[1]))"
+    )
+    return {a for a in driver.execute_script(script, css, name) if a is not None}
 
 
 def _points(driver: WebDriver, chart: str) -> int:
-    return int(driver.find_element(By.ID, chart).get_attribute("data-points") or 0)
+    found = _attrs(driver, f"#{chart}", "data-points")
+    return int(found.pop()) if found else 0
 
 
 @pytest.fixture(scope="module")
@@ -85,30 +93,21 @@ def test_dashboard_shows_sites_links_and_a_live_loss_chart(
         wait_until(lambda: client.job(job.id).state.value == "running", 120, "the job to run")
         browser.get(f"{c.url}/ui#key={key}")
         wait_until(lambda: len(_texts(browser, "#sites tbody tr")) == 3, 30, "three sites")
-        sites = {
-            e.get_attribute("data-site")
-            for e in browser.find_elements(By.CSS_SELECTOR, "#sites tr[data-site]")
-        }
+        sites = _attrs(browser, "#sites tr[data-site]", "data-site")
         assert sites == {"a", "b", "c"}
-        links = {
-            e.get_attribute("data-link")
-            for e in browser.find_elements(By.CSS_SELECTOR, "#links tr[data-link]")
-        }
+        links = _attrs(browser, "#links tr[data-link]", "data-link")
         assert links == {"a|b", "a|c", "b|c"}
         assert all("Mbit/s" in t for t in _texts(browser, "#links tbody tr"))
         running = f'#jobs tr[data-job="{job.id}"][data-state="running"]'
         wait_until(lambda: _texts(browser, running), 30, "the running job in the jobs table")
-        row = browser.find_element(By.CSS_SELECTOR, f'#jobs tr[data-job="{job.id}"]').text
+        (row,) = _texts(browser, f'#jobs tr[data-job="{job.id}"]')
         assert "a: 2 GPUs" in row and "b: 1 GPU" in row and "c: 1 GPU" in row, row
         # The loss chart is drawn (a uPlot canvas) and gains points as the job trains.
         first = wait_until(lambda: _points(browser, "loss-chart"), 60, "loss points")
         wait_until(lambda: _points(browser, "loss-chart") > first + 2, 60, "the chart to update")
-        assert browser.find_elements(By.CSS_SELECTOR, "#loss-chart canvas")
+        assert _texts(browser, "#loss-chart canvas")
         assert _points(browser, "wan-chart") > 0
-        assert "job_state" in {
-            e.get_attribute("data-kind")
-            for e in browser.find_elements(By.CSS_SELECTOR, "#events li")
-        }
+        assert "job_state" in _attrs(browser, "#events li", "data-kind")
         assert not browser.find_element(By.ID, "error").is_displayed()
         time.sleep(2.5)  # one more refresh, so the screenshot shows a moving job
         shot = tmp_path / "dashboard.png"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -127,7 +128,8 @@ def test_queue_priority_and_cancel(three_sites: Cluster) -> None:
     # The queue moves: high first (priority), then low; both finish.
     done_high = _wait_state(client, high.id, {"succeeded", "failed"}, 180)
     done_low = _wait_state(client, low.id, {"succeeded", "failed"}, 180)
-    assert done_high.state.value == done_low.state.value == "succeeded"
+    for done in (done_high, done_low):
+        assert done.state.value == "succeeded", (done.name, done.reason, done.failure)
     assert done_high.scheduled_at is not None and done_low.scheduled_at is not None
     assert done_high.scheduled_at <= done_low.scheduled_at
     moves = [e.data["to"] for e in client.events(long_job.id) if e.kind == "job_state"]
@@ -155,3 +157,35 @@ def test_wan_auto_names_its_sync_in_the_jobs_metrics(three_sites: Cluster) -> No
         s for s in series.steps if s.wan_sync == schedule.phase_at(s.step).compression.summary
     ]
     assert planned and all(s.bytes == s.predicted_bytes for s in planned), planned
+
+
+def test_a_rendezvous_port_taken_on_its_host_fails_the_job_saying_so(
+    three_sites: Cluster,
+) -> None:
+    """Something else on the host holds the port the job was given: the launcher cannot
+    serve its rendezvous store, starts no worker, and the job fails with that cause (not
+    "the launcher exited with 1", and no "ok" in its result)."""
+    client = three_sites.client(make_key(three_sites.db_url, "dave"))
+    port = int(three_sites.serve_env["CPN_RENDEZVOUS_PORT_MIN"])  # the first one given
+    with socket.socket() as taken:
+        # An earlier job's store leaves connections in TIME_WAIT on this port: bind past
+        # them, as the store itself does. Listening, it still keeps the store off the port.
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("0.0.0.0", port))
+        taken.listen()
+        job = client.submit(tiny_job("port-taken", dp=1, pp=1))
+        done = _wait_state(client, job.id, {"succeeded", "failed"}, 180)
+    assert done.state.value == "failed", done
+    assert done.failure is not None and done.failure.exit_code == 1
+    message = done.failure.message
+    assert message.startswith("rendezvous failed (serving "), message
+    assert f":{port}), no worker started: " in message, message
+    assert "address already in use" in message, message
+    assert done.reason == f"rank 0 ({done.failure.site}) exited with 1: {done.failure.message}"
+    assert not done.failure.last_lines  # no worker started, so none wrote a line
+    run_dir = next(three_sites.tmp.glob(f"work-*/{job.id}"))
+    assert json.loads((run_dir / "result.json").read_text()) == {
+        "ok": False,
+        "error": message,
+    }
+    assert "Traceback" not in (run_dir / "launcher.log").read_text()

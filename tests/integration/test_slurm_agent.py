@@ -24,7 +24,7 @@ import pytest
 from api.job_schemas import JobPublic
 from cpn.client import CpnClient
 from cpn.train.report import summarise
-from tests.processes import CPN, free_port, wait_until
+from tests.processes import CPN, free_port_block, wait_until
 from tests.service_harness import Cluster, cluster, make_key, rescheduled, tiny_job
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 
@@ -38,7 +38,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, S
         env = {"SLURM_CONF": str(slurm.conf)}
         extra = {"b": ["--backend", "slurm", "--slurm-partition", "cpn", "--time-limit", "600"]}
         # Rendezvous ports away from the default range other suites on this host use.
-        low = free_port()
+        low = free_port_block(21)
         ports = {"CPN_RENDEZVOUS_PORT_MIN": str(low), "CPN_RENDEZVOUS_PORT_MAX": str(low + 20)}
         # A lease long enough for an agent restart on a loaded machine (the restart test):
         # re-planning a job whose agent was lost is the failure-recovery work's, not this.

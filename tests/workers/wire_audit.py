@@ -31,10 +31,14 @@ def main() -> None:
     trainer = Trainer(plan, job, rank, TrainOptions(stop_after=int(steps)))
     trainer.start()
     dist.barrier()
-    before = {(c.local, c.peer): c.bytes_sent for c in own_connections()}
+    before = {(c.local, c.peer): c for c in own_connections()}
     trainer.train(0)
     dist.barrier()  # every rank's sends have arrived before anyone reads its counters
     after = own_connections()
+    # No rank tears its groups down before every rank has listed its sockets: a peer's
+    # close ends the connection here too (gloo closes a pair on EOF), which is how a TP
+    # socket went missing from a listing taken after the barrier above, 1 run in 2–8.
+    dist.barrier()
     report = {
         "rank": rank,
         "counted": trainer.traffic.snapshot(),
@@ -42,10 +46,15 @@ def main() -> None:
             {
                 "local": c.local,
                 "peer": c.peer,
-                "sent": c.bytes_sent - before.get((c.local, c.peer), 0),
+                "sent": c.bytes_sent
+                - (b.bytes_sent if (b := before.get((c.local, c.peer))) else 0),
+                "received": c.bytes_received
+                - (b.bytes_received if (b := before.get((c.local, c.peer))) else 0),
+                "seen_before": (c.local, c.peer) in before,
             }
             for c in after
         ],
+        "before": [{"local": c.local, "peer": c.peer} for c in before.values()],
     }
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(report))
     trainer.close()
