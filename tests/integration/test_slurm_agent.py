@@ -184,8 +184,10 @@ def test_a_preempted_slurm_job_resumes_from_its_checkpoint_without_a_restart(
 ) -> None:
     c, slurm = sites
     client = c.client(make_key(c.db_url, "frank"))
-    steps = 120
     # No periodic checkpoint: the one to resume from is the one Slurm's warning asks for.
+    # A job that never ends by itself: with a finite one, a busy machine let it finish
+    # (final checkpoint) before Slurm got round to the preemption (CI: resumed at 120).
+    steps = 100_000
     doc = tiny_job("preempted", steps=steps, recovery={"checkpoint_every": 100_000})
     job_id = client.submit(doc).id
     wait_until(lambda: client.job(job_id).progress.step >= 5, 180, "a few steps")
@@ -203,15 +205,30 @@ def test_a_preempted_slurm_job_resumes_from_its_checkpoint_without_a_restart(
         "--time=1", f"--output={c.tmp}/urgent.out", "--wrap", "sleep 6",
     )  # fmt: skip
     moved = rescheduled(client, job_id, 30)
-    job = _wait_state(client, job_id, {"succeeded", "failed"}, 300)
-    assert job.state.value == "succeeded", (job.reason, job.failure)
-    # A loss of infrastructure, not one of the job's restarts.
-    assert job.losses == 1 and job.restarts == 0
     assert f"PREEMPTED: Slurm job {victim} PREEMPTED" in moved.message, moved.message
     assert int(moved.data["checkpoint"]["step"]) == warned
-    # The second epoch ran from there: every step once, in order.
-    assert [s.step for s in client.metrics(job_id).steps] == list(range(steps))
+
+    # Steps past any the first epoch reached are the second epoch's.
+    first = len(client.metrics(job_id).steps)
+
+    def resumed_and_trained_on() -> JobPublic | None:
+        job = client.job(job_id)
+        assert job.state.value not in {"failed", "cancelled", "succeeded"}, (
+            job.reason,
+            job.failure,
+        )
+        grown = len(client.metrics(job_id).steps) >= first + 10
+        return job if job.epoch == 2 and grown else None
+
+    job = wait_until(resumed_and_trained_on, 300, "the second epoch to train 10 steps on")
+    # A loss of infrastructure, not one of the job's restarts.
+    assert job.losses == 1 and job.restarts == 0
+    # The second epoch ran from the warned step: every step once, in order.
+    series = [s.step for s in client.metrics(job_id).steps]
+    assert series == list(range(len(series)))
     assert len(_slurm_jobs(slurm, job_id)) == 2  # one Slurm job per epoch
+    client.cancel(job_id)
+    _wait_state(client, job_id, {"cancelled"}, 60)
 
 
 def test_a_lost_slurm_node_is_planned_again_without_it(
