@@ -201,8 +201,11 @@ class ControlServer:
                 continue
             self.leases.remove(lease)
             self.dispatcher.close(lease.site, lease.agent_id)
+            marked = await self.state.run_db(self._mark_lost, lease)
+            if marked is None:
+                continue  # the agent is not lost: nothing to tell, nothing to log as a loss
             reaped.append(lease)
-            gpus, dropped = await self.state.run_db(self._mark_lost, lease)
+            gpus, dropped = marked
             self._tell_loss(lease.site, lease.agent_id)
             log.warning(
                 "agent %s/%s lost: lease expired (%d GPUs lost, %d orders dropped)",
@@ -246,14 +249,18 @@ class ControlServer:
         row = session.scalar(select(Lease).where(Lease.lease_id == lease.lease_id))
         return row is not None and row.revoked_at is None and row.expires_at > utcnow()
 
-    def _mark_lost(self, lease: LiveLease) -> tuple[int, int]:
-        """GPUs marked lost and orders dropped, in one transaction."""
+    def _mark_lost(self, lease: LiveLease) -> tuple[int, int] | None:
+        """GPUs marked lost and orders dropped, in one transaction; None when the agent is
+        not lost after all (its lease renewed through another control plane, or replaced
+        by a registration that reached the database after the reaper's in-memory check)."""
         with self.state.registry.write() as session:
             if self._renewed_elsewhere(session, lease):
                 log.info("lease of %s/%s is renewed elsewhere: let go", lease.site, lease.agent_id)
-                return 0, 0
+                return None
             if not is_current_lease(session, lease.agent_pk, lease.lease_id):
-                return 0, 0  # registered again since: its orders are the new session's
+                # Registered again since: its orders are the new session's.
+                log.info("lease of %s/%s was replaced: not lost", lease.site, lease.agent_id)
+                return None
             dropped = drop_orders(session, lease.site, lease.agent_id)
             reason = "lease expired"
             if dropped:

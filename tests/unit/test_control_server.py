@@ -691,10 +691,52 @@ def test_a_lease_replaced_while_the_reaper_works_is_not_reaped(
         stop_id = srv.server.dispatcher.stop("a", "agent-1", job_id="job-9")
         assert next(stream).order_id == stop_id  # the new session's stream still serves
         _heartbeat(client, new)
+
+        def order_states() -> list[OrderState]:
+            with srv.registry.read() as s:
+                return list(s.scalars(select(Order.state)).all())
+
+        # Marked delivered once the stream asks for the next order, after the client has it.
+        wait_for(lambda: order_states() == [OrderState.DELIVERED], what="the order delivered")
         with srv.registry.read() as s:
             agent = s.scalars(select(Agent).where(Agent.agent_id == "agent-1")).one()
             assert agent.status != AgentStatus.LOST
             assert {g.status for g in s.scalars(select(Gpu))} == {GpuStatus.AVAILABLE}
-            assert s.scalars(select(Order.state)).all() == [OrderState.DELIVERED]
         stream.cancel()
+        channel.close()
+
+
+def test_a_lease_replaced_in_the_database_only_is_not_told_as_a_loss(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The narrower interleaving: the registration reaches the database after the reaper's
+    in-memory check and before its transaction. The reaper must then neither mark the
+    agent lost nor tell the orchestration of a loss (nor log one): nothing was lost. Made
+    exact by letting the reaper see the old lease as still current in memory."""
+    with control_server(db_url, lease_ttl_s=1.0, reaper_interval_s=3600) as srv:
+        channel, client = stub(srv.server.port)
+        old = _register(client).lease_id
+        wait_for(
+            lambda: srv.on_loop(lambda: bool(srv.server.leases.expired())),
+            what="the first lease to expire",
+        )
+        stale = srv.on_loop(srv.server.leases.expired)
+        new = _register(client).lease_id
+        _heartbeat(client, new)
+        told: list[tuple[str, str]] = []
+        srv.on_loop(lambda: srv.server.state.loss_listeners.append(lambda *a: told.append(a)))
+        monkeypatch.setattr(srv.server.leases, "expired", lambda now_mono=None: stale)
+        real_get = srv.server.leases.get
+        monkeypatch.setattr(
+            srv.server.leases,
+            "get",
+            lambda lease_id: stale[0] if lease_id == old else real_get(lease_id),
+        )
+        monkeypatch.setattr(srv.server.leases, "remove", lambda lease: None)
+        assert srv.run(srv.server.reap()) == []
+        assert told == []
+        with srv.registry.read() as s:
+            agent = s.scalars(select(Agent).where(Agent.agent_id == "agent-1")).one()
+            assert agent.status != AgentStatus.LOST
+            assert {g.status for g in s.scalars(select(Gpu))} == {GpuStatus.AVAILABLE}
         channel.close()
