@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 
 from cpn.contracts import Plan
 from cpn.control import TaskReport
+from cpn.control.leases import LiveLease
 from cpn.registry import Registry, upgrade
 from cpn.registry.models import (
     Agent,
@@ -33,7 +34,7 @@ from cpn.registry.models import (
     utcnow,
 )
 from proto.cpn.v1 import agent_pb2 as pb
-from tests.control_harness import auth, control_server, inventory, stub, wait_for
+from tests.control_harness import ServerThread, auth, control_server, inventory, stub, wait_for
 
 
 @pytest.fixture
@@ -663,6 +664,29 @@ def test_a_registration_with_bad_launches_is_refused_naming_them(
         channel.close()
 
 
+def _expired_then_back(srv: ServerThread, client: Any) -> tuple[str, list[LiveLease], str]:
+    """An agent whose lease expired, and the list of expired leases the reaper would take
+    then, before the agent registers again: (old lease id, that list, new lease id)."""
+    old = _register(client).lease_id
+    wait_for(
+        lambda: srv.on_loop(lambda: bool(srv.server.leases.expired())),
+        what="the first lease to expire",
+    )
+    stale: list[LiveLease] = srv.on_loop(srv.server.leases.expired)
+    assert [lease.lease_id for lease in stale] == [old]
+    new = _register(client).lease_id  # the agent is back: a new lease, a new session
+    _heartbeat(client, new)
+    return old, stale, new
+
+
+def _assert_alive(srv: ServerThread) -> None:
+    """agent-1 is not lost and its GPUs are available."""
+    with srv.registry.read() as s:
+        agent = s.scalars(select(Agent).where(Agent.agent_id == "agent-1")).one()
+        assert agent.status != AgentStatus.LOST
+        assert {g.status for g in s.scalars(select(Gpu))} == {GpuStatus.AVAILABLE}
+
+
 def test_a_lease_replaced_while_the_reaper_works_is_not_reaped(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -674,17 +698,9 @@ def test_a_lease_replaced_while_the_reaper_works_is_not_reaped(
     it took before the registration."""
     with control_server(db_url, lease_ttl_s=1.0, reaper_interval_s=3600) as srv:
         channel, client = stub(srv.server.port)
-        old = _register(client).lease_id
-        wait_for(
-            lambda: srv.on_loop(lambda: bool(srv.server.leases.expired())),
-            what="the first lease to expire",
-        )
-        stale = srv.on_loop(srv.server.leases.expired)
-        assert [lease.lease_id for lease in stale] == [old]
-        new = _register(client).lease_id  # the agent is back: a new lease, a new session
+        _, stale, new = _expired_then_back(srv, client)
         watch = pb.WatchAssignmentsRequest(site="a", agent_id="agent-1", lease_id=new)
         stream = client.WatchAssignments(watch, metadata=auth("a"), timeout=120)
-        _heartbeat(client, new)
         # The list the reaper took before the registration:
         monkeypatch.setattr(srv.server.leases, "expired", lambda now_mono=None: stale)
         assert srv.run(srv.server.reap()) == []
@@ -698,10 +714,7 @@ def test_a_lease_replaced_while_the_reaper_works_is_not_reaped(
 
         # Marked delivered once the stream asks for the next order, after the client has it.
         wait_for(lambda: order_states() == [OrderState.DELIVERED], what="the order delivered")
-        with srv.registry.read() as s:
-            agent = s.scalars(select(Agent).where(Agent.agent_id == "agent-1")).one()
-            assert agent.status != AgentStatus.LOST
-            assert {g.status for g in s.scalars(select(Gpu))} == {GpuStatus.AVAILABLE}
+        _assert_alive(srv)
         stream.cancel()
         channel.close()
 
@@ -715,14 +728,7 @@ def test_a_lease_replaced_in_the_database_only_is_not_told_as_a_loss(
     exact by letting the reaper see the old lease as still current in memory."""
     with control_server(db_url, lease_ttl_s=1.0, reaper_interval_s=3600) as srv:
         channel, client = stub(srv.server.port)
-        old = _register(client).lease_id
-        wait_for(
-            lambda: srv.on_loop(lambda: bool(srv.server.leases.expired())),
-            what="the first lease to expire",
-        )
-        stale = srv.on_loop(srv.server.leases.expired)
-        new = _register(client).lease_id
-        _heartbeat(client, new)
+        old, stale, _ = _expired_then_back(srv, client)
         told: list[tuple[str, str]] = []
         srv.on_loop(lambda: srv.server.state.loss_listeners.append(lambda *a: told.append(a)))
         monkeypatch.setattr(srv.server.leases, "expired", lambda now_mono=None: stale)
@@ -732,11 +738,7 @@ def test_a_lease_replaced_in_the_database_only_is_not_told_as_a_loss(
             "get",
             lambda lease_id: stale[0] if lease_id == old else real_get(lease_id),
         )
-        monkeypatch.setattr(srv.server.leases, "remove", lambda lease: None)
         assert srv.run(srv.server.reap()) == []
         assert told == []
-        with srv.registry.read() as s:
-            agent = s.scalars(select(Agent).where(Agent.agent_id == "agent-1")).one()
-            assert agent.status != AgentStatus.LOST
-            assert {g.status for g in s.scalars(select(Gpu))} == {GpuStatus.AVAILABLE}
+        _assert_alive(srv)
         channel.close()
