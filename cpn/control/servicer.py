@@ -331,7 +331,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             references.check_task(
                 session, site=r.site, agent_id=r.agent_id, job_id=r.job_id, rank=r.rank
             )
-            job_epoch = session.scalar(select(Job.epoch).where(Job.id == r.job_id))
+            job = session.get(Job, r.job_id)
+            job_epoch = job.epoch if job is not None else None
+            if job is not None:
+                _check_against_job(r, job.epoch, job.spec)
             if job_epoch is not None and r.epoch < job_epoch:
                 # A worker of a fenced epoch (stopped, or cut off and not yet told): its
                 # state is no longer the rank's, its steps not the job's.
@@ -384,6 +387,25 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     job_id=r.job_id,
                     data={"rank": r.rank, "state": r.state.value, "step": r.step},
                 )
+
+
+def _check_against_job(r: TaskReport, epoch: int, spec: dict[str, Any]) -> None:
+    """Refuse what no worker of the job can report: an epoch the control plane has not
+    started (it would replace the rank's task of the current one), steps beyond the
+    job's `train.steps` (a step's series would stop at the bogus one)."""
+    if r.epoch > epoch:
+        raise InvalidField("epoch", f"{r.epoch} is newer than the job's epoch {epoch}")
+    train = spec.get("train")
+    total = train.get("steps") if isinstance(train, dict) else None
+    if not isinstance(total, int):
+        return  # a spec from before train.steps was stored: nothing to check against
+    if r.step > total:
+        raise InvalidField("step", f"at most the job's train.steps ({total}), got {r.step}")
+    for i, s in enumerate(r.steps):
+        if s.step >= total:
+            raise InvalidField(
+                f"steps[{i}].step", f"at most {total - 1} (0-based; train.steps = {total})"
+            )
 
 
 _FINAL = FINAL_TASK_STATES

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
-from cpn.contracts import JobSpec, ParallelSpec, Plan, Reservations, Topology
+from cpn.contracts import JobSpec, ParallelSpec, Plan, Reservations, Topology, WanCompression
 from cpn.control.settings import ControlSettings
 from cpn.errors import InfeasibleError, InputError
 from cpn.orchestration.errors import NeverFits
@@ -72,13 +72,16 @@ def candidate_plans(
     for objective in (Objective.WAN_BYTES, Objective.ITERATION_TIME):
         try:
             plan = plan_job(topology, spec, reservations, objective, settings)
-        except InfeasibleError:
-            continue
+        except (InfeasibleError, InputError):
+            continue  # the caller says why, from one more solve on the whole network
         plans.append(plan)
         first = first or plan
     if first is None:
         return []
-    # Other layouts of the same GPUs, as `parallel: auto` ranks them.
+    # Other layouts of the same GPUs, as `parallel: auto` ranks them. Not under `wan:
+    # auto`: its codec is chosen for the job's own layout, and a spec cannot ask for both.
+    if spec.compression.wan is WanCompression.AUTO:
+        return _unique(plans)
     gpus = first.parallel.world_size
     auto = spec.model_copy(update={"parallel": "auto", "gpus": gpus})
     layouts: list[ParallelSpec] = []
@@ -109,6 +112,10 @@ def candidate_plans(
             )
         except (InfeasibleError, InputError):
             continue
+    return _unique(plans)
+
+
+def _unique(plans: list[Plan]) -> list[Plan]:
     unique: dict[tuple[object, ...], Plan] = {}
     for plan in plans:
         unique.setdefault(_placement(plan), plan)

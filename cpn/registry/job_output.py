@@ -54,7 +54,14 @@ def record_task_output(
 
 
 def _record_steps(session: Session, task: Task, steps: Sequence[StepRecord]) -> None:
-    fresh = sorted((s for s in steps if s.step >= (task.metrics_steps or 0)), key=lambda s: s.step)
+    # A step is counted once per rank: the first record of it wins, within a report as
+    # across reports (a worker restarted in the same epoch replays the steps after its
+    # checkpoint, and its agent may batch both runs of a step into one report).
+    first: dict[int, StepRecord] = {}
+    for s in steps:
+        if s.step >= (task.metrics_steps or 0):
+            first.setdefault(s.step, s)
+    fresh = sorted(first.values(), key=lambda s: s.step)
     if not fresh:
         return
     wanted = {s.step for s in fresh}

@@ -320,6 +320,36 @@ def test_quotes_rank_candidates_and_a_quote_runs_its_plan(api: Api) -> None:
     assert_nothing_half_written(api.registry)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # nothing database-specific
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"compression": {"wan": "auto"}},
+        {"parallel": "auto", "gpus": 4, "compression": {"wan": "topk"}},
+        {"constraints": {"sites": ["zz"]}},
+        {"constraints": {"sites": ["a", "zz"]}},
+        {"constraints": {"sites": ["b"]}},
+        {"constraints": {"gpu_model": "nope"}},
+        {"constraints": {"min_gpu_memory_gb": 99999}},
+    ],
+    ids=repr,
+)
+def test_a_quote_answers_what_a_submission_answers(api: Api, change: dict[str, Any]) -> None:
+    """Quotes plan the same spec as a submission, plus other layouts: for every spec a
+    submission takes, a quote offers candidates, and one it refuses gets the same 422 —
+    never a 500 (the layout search used to rewrite `wan: auto` into an invalid spec, and
+    an unknown site escaped as an InputError)."""
+    body = {**tiny_job("same"), **change}
+    quote = api.http.post("/v1/quotes", json=body, headers=api.as_("bob"))
+    job = api.http.post("/v1/jobs", json=body, headers=api.as_("bob"))
+    assert (quote.status_code, job.status_code) in ((201, 201), (422, 422)), (quote.text, job.text)
+    if quote.status_code == 422:
+        assert quote.json()["detail"] == job.json()["detail"]
+    else:
+        assert quote.json()["candidates"]
+    assert_nothing_half_written(api.registry)
+
+
 def test_admission_is_all_or_nothing_and_the_second_job_waits(api: Api) -> None:
     first = api.http.post("/v1/jobs", json=tiny_job("one"), headers=api.as_("bob")).json()
     second = api.http.post("/v1/jobs", json=tiny_job("two"), headers=api.as_("bob")).json()

@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from cpn.control.db_status import database_status
 from cpn.control.errors import MAX_DETAILS_BYTES
 from cpn.registry import Registry, create_job
-from cpn.registry.models import Event, Site, Task
+from cpn.registry.models import Event, JobStep, Site, Task
 from proto.cpn.v1 import agent_pb2 as pb
 from tests.control_harness import (
     ServerThread,
@@ -116,6 +116,15 @@ REPORTS: dict[str, tuple[dict[str, Any], str]] = {
         "job_id: no launch order for job 'job-2' was sent to agent 'agent-1'",
     ),
     "rank the job does not have": ({"rank": 7}, "rank: job 'job-1' has no rank 7 at site 'a'"),
+    "an epoch the job has not reached": ({"epoch": 7}, "epoch: 7 is newer than the job's epoch 0"),
+    "more steps done than the job has": (
+        {"step": 51},
+        "step: at most the job's train.steps (50), got 51",
+    ),
+    "a step the job does not have": (
+        {"steps": [pb.StepMetrics(step=3), pb.StepMetrics(step=50)]},
+        "steps[1].step: at most 49 (0-based; train.steps = 50)",
+    ),
     "rank placed at another site": ({"rank": 2}, "rank: job 'job-1' has no rank 2 at site 'a'"),
     "NUL in a message": ({"message": "bad\0news"}, "message: 'bad\\x00news'"),
     "escape in a checkpoint id": ({"checkpoint_id": "c\x1b[2J"}, "checkpoint_id: 'c\\x1b[2J'"),
@@ -186,7 +195,8 @@ def test_hostile_values_are_named_and_nothing_is_stored(db_url: str) -> None:
         channel, client = stub(srv.server.port)
         lease = client.Register(_register(lambda r: None), metadata=auth("a"), timeout=10).lease_id
         with srv.registry.write() as s:
-            create_job(s, "job-1", "job-1").plan = {"parallel": {"dp": 3, "tp": 1, "pp": 1}}
+            job = create_job(s, "job-1", "job-1", spec={"train": {"steps": 50}})
+            job.plan = {"parallel": {"dp": 3, "tp": 1, "pp": 1}}
             create_job(s, "job-2", "job-2")  # submitted, never launched
         # The orchestration's launch order for agent-1: ranks 0 and 1 at site a, 2 at b.
         ranks = [pb.RankAssignment(rank=r, site=site) for r, site in ((0, "a"), (1, "a"), (2, "b"))]
@@ -234,10 +244,28 @@ def test_hostile_values_are_named_and_nothing_is_stored(db_url: str) -> None:
         client.Heartbeat(
             _beat(lease, links=[_link(measured_at_unix_ms=now_ms)]), metadata=auth("a")
         )
-        client.ReportTaskStatus(_report(lease, rank=1, step=2**63 - 1), metadata=auth("a"))
+        client.ReportTaskStatus(_report(lease, rank=1, step=50), metadata=auth("a"))
         with srv.registry.read() as s:
             [task] = s.query(Task).all()
-            assert (task.job_id, task.rank, task.step) == ("job-1", 1, 2**63 - 1)
+            assert (task.job_id, task.rank, task.step) == ("job-1", 1, 50)
+
+        # A step is counted once per rank: repeated in one report (a worker restarted in
+        # its epoch replays the steps after its checkpoint) or sent again in the next.
+        def step(n: int, intra_site: int) -> pb.StepMetrics:
+            return pb.StepMetrics(step=n, loss=1.0, bytes=pb.LinkBytes(intra_site=intra_site))
+
+        for batch in (
+            [step(0, 100), step(0, 999), step(1, 10), step(0, 999)],
+            [step(1, 999), step(2, 5)],
+        ):
+            client.ReportTaskStatus(_report(lease, steps=batch), metadata=auth("a"))
+        with srv.registry.read() as s:
+            rows = s.query(JobStep).order_by(JobStep.step).all()
+            assert [(r.step, r.ranks, r.loss_count, r.bytes_intra_site) for r in rows] == [
+                (0, 1, 1, 100),
+                (1, 1, 1, 10),
+                (2, 1, 1, 5),
+            ]
         channel.close()
 
 
