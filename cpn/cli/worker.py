@@ -102,13 +102,10 @@ SyncCkptOpt = Annotated[
 
 def _load(plan: Path, job: Path) -> tuple[Plan, JobSpec]:
     from cpn.contracts import Plan, load_job  # noqa: PLC0415
-    from cpn.contracts.loading import validate  # noqa: PLC0415
+    from cpn.contracts.loading import read_text, validate  # noqa: PLC0415
     from cpn.errors import InputError  # noqa: PLC0415
 
-    try:
-        text = plan.read_text()
-    except OSError as exc:
-        raise InputError(f"{plan}: cannot read ({exc.strerror})") from None
+    text = read_text(plan)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 
 from api.job_schemas import (
     EventPublic,
@@ -18,7 +20,9 @@ from api.job_schemas import (
 )
 from api.quote_schemas import QuotePublic
 from cpn.contracts import JobSpec, Reservations, Topology
-from cpn.errors import CpnError
+from cpn.errors import CpnError, InputError
+
+T = TypeVar("T")
 
 
 class ApiError(CpnError):
@@ -27,6 +31,16 @@ class ApiError(CpnError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _job_path(job_id: str) -> str:
+    """/v1/jobs/<id>, the id one path segment whatever it holds: "..", "?x" or "a/b" name
+    no job (the server answers 404), rather than another URL."""
+    if not job_id:
+        raise InputError("job id: must not be empty")
+    if job_id in (".", ".."):  # dot segments are resolved by URL parsers, even encoded
+        return "/v1/jobs/" + job_id.replace(".", "%2E")
+    return "/v1/jobs/" + quote(job_id, safe="")
 
 
 def _message(reply: httpx.Response) -> str:
@@ -62,9 +76,26 @@ class CpnClient:
             reply = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise ApiError(0, f"cannot reach {self.server}: {exc}") from None
-        if reply.status_code >= 400:
+        if not reply.is_success:  # redirects included: the API answers none
             raise ApiError(reply.status_code, _message(reply))
-        return reply.json()
+        try:
+            return reply.json()
+        except ValueError:
+            raise ApiError(
+                reply.status_code, f"{method} {path}: the reply is not JSON; is {self.server} cpn?"
+            ) from None
+
+    def _get(self, shape: type[T], method: str, path: str, **kwargs: Any) -> T:
+        """`_call`, the reply read as `shape`: one that does not fit is an ApiError (a
+        server that is not cpn, or another version of it), not a traceback."""
+        data = self._call(method, path, **kwargs)
+        try:
+            return TypeAdapter(shape).validate_python(data)
+        except ValidationError as exc:
+            why = exc.errors()[0]["msg"]
+            raise ApiError(
+                0, f"{method} {path}: unexpected reply ({why}); is {self.server} cpn?"
+            ) from None
 
     # ------------------------------------------------------------------ jobs
 
@@ -80,34 +111,32 @@ class CpnClient:
         if quote_id is not None:
             body.update(quote_id=quote_id, candidate=candidate)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return JobPublic.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers))
+        return self._get(JobPublic, "POST", "/v1/jobs", json=body, headers=headers)
 
     def jobs(self, *, state: str | None = None, skip: int = 0, limit: int = 50) -> JobsPublic:
         params: dict[str, Any] = {"skip": skip, "limit": limit}
         if state:
             params["state"] = state
-        return JobsPublic.model_validate(self._call("GET", "/v1/jobs", params=params))
+        return self._get(JobsPublic, "GET", "/v1/jobs", params=params)
 
     def job(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate(self._call("GET", f"/v1/jobs/{job_id}"))
+        return self._get(JobPublic, "GET", _job_path(job_id))
 
     def cancel(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate(self._call("POST", f"/v1/jobs/{job_id}/cancel"))
+        return self._get(JobPublic, "POST", f"{_job_path(job_id)}/cancel")
 
     def events(self, job_id: str, *, after: int = 0) -> list[EventPublic]:
-        rows = self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
-        return [EventPublic.model_validate(r) for r in rows]
+        path = f"{_job_path(job_id)}/events"
+        return self._get(list[EventPublic], "GET", path, params={"after": after})
 
     def metrics(self, job_id: str) -> MetricsPublic:
-        return MetricsPublic.model_validate(self._call("GET", f"/v1/jobs/{job_id}/metrics"))
+        return self._get(MetricsPublic, "GET", f"{_job_path(job_id)}/metrics")
 
     def logs(self, job_id: str, *, rank: int | None = None, after: int = 0) -> LogsPublic:
         params: dict[str, Any] = {"after": after}
         if rank is not None:
             params["rank"] = rank
-        return LogsPublic.model_validate(
-            self._call("GET", f"/v1/jobs/{job_id}/logs", params=params)
-        )
+        return self._get(LogsPublic, "GET", f"{_job_path(job_id)}/logs", params=params)
 
     def follow_logs(self, job_id: str, *, rank: int | None = None) -> Iterator[LogLinePublic]:
         """Lines as they come (server-sent events), until the job has ended."""
@@ -116,7 +145,7 @@ class CpnClient:
             params["rank"] = rank
         try:
             with self._http.stream(
-                "GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=None
+                "GET", f"{_job_path(job_id)}/logs", params=params, timeout=None
             ) as reply:
                 if reply.status_code >= 400:
                     reply.read()
@@ -140,14 +169,14 @@ class CpnClient:
 
     def quote(self, spec: JobSpec | dict[str, Any]) -> QuotePublic:
         body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
-        return QuotePublic.model_validate(self._call("POST", "/v1/quotes", json=body))
+        return self._get(QuotePublic, "POST", "/v1/quotes", json=body)
 
     def sites(self) -> list[dict[str, Any]]:
         sites: list[dict[str, Any]] = self._call("GET", "/v1/sites")
         return sites
 
     def topology(self) -> Topology:
-        return Topology.model_validate(self._call("GET", "/v1/topology"))
+        return self._get(Topology, "GET", "/v1/topology")
 
     def reservations(self) -> Reservations:
-        return Reservations.model_validate(self._call("GET", "/v1/topology/reservations"))
+        return self._get(Reservations, "GET", "/v1/topology/reservations")

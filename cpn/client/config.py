@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cpn.contracts.loading import read_text
 from cpn.errors import InputError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
@@ -30,10 +31,11 @@ def load_config(server: str | None = None, api_key: str | None = None) -> Client
     path = config_path()
     stored = ClientConfig()
     if path.exists():
+        text = read_text(path)
         try:
-            doc = yaml.safe_load(path.read_text()) or {}
+            doc = yaml.safe_load(text) or {}
             stored = ClientConfig.model_validate(doc)
-        except (OSError, yaml.YAMLError, ValidationError) as exc:
+        except (yaml.YAMLError, ValidationError) as exc:
             first = str(exc).splitlines()[0]
             raise InputError(f"{path}: {first}") from None
     return ClientConfig(

@@ -19,13 +19,21 @@ from cpn.errors import InputError
 M = TypeVar("M", bound=BaseModel)
 
 
-def _read(path: Path) -> Any:
+def read_text(path: Path) -> str:
+    """A file the user named, as text: InputError (one line) when it is missing,
+    unreadable or not UTF-8 — never a traceback."""
     try:
-        text = path.read_text()
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _read(path: Path) -> Any:
+    text = read_text(path)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

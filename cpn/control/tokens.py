@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, RootModel, StringConstraints, ValidationError
 
 from cpn.contracts.limits import Gbps, Price
-from cpn.contracts.loading import format_location
+from cpn.contracts.loading import format_location, read_text
 from cpn.errors import InputError
 from cpn.registry.inventory import SiteSettings
 
@@ -90,10 +90,7 @@ class SiteTokens:
 
     @classmethod
     def load(cls, path: Path) -> SiteTokens:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+        text = read_text(path)
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError:

@@ -1,0 +1,84 @@
+"""`CpnClient` against real HTTP servers: a job id is one path segment whatever it holds,
+and a reply that is not the API's — not JSON, a redirect, another shape — is an ApiError
+with one line, never a traceback (outside review: `cpn jobs get ''` and `'?x'` gave a
+JSONDecodeError, `'../sites'` fetched /v1/sites and failed validating it)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from api import create_app
+from cpn.client import ApiError, CpnClient
+from cpn.errors import InputError
+from cpn.orchestration.tenants import create_key
+from cpn.registry import Registry
+from tests.processes import free_port
+
+
+@pytest.fixture
+def api_url(registry: Registry) -> Iterator[tuple[str, str]]:
+    with registry.write() as s:
+        key = create_key(s, "t").key
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(registry), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", key
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # nothing database-specific
+def test_a_job_id_is_one_path_segment(api_url: tuple[str, str]) -> None:
+    url, key = api_url
+    with CpnClient(url, key) as client:
+        for job_id in (".", "..", "../sites", "?x", "#x", "a/b", "%2e%2e"):
+            for call in (client.job, client.cancel, client.logs):
+                with pytest.raises(ApiError) as err:
+                    call(job_id)
+                assert err.value.status == 404, (job_id, call.__name__, str(err.value))
+        with pytest.raises(InputError, match="job id: must not be empty"):
+            client.job("")
+        assert client.jobs().count == 0  # the same client still works
+
+
+def test_a_server_that_is_not_cpn_is_named(tmp_path: Path) -> None:
+    (tmp_path / "v1" / "jobs").mkdir(parents=True)
+    (tmp_path / "v1" / "jobs" / "html").write_text("<html>hello</html>")
+    (tmp_path / "v1" / "jobs" / "shape").write_text('{"unexpected": 1}')
+    (tmp_path / "v1" / "jobs" / "dir").mkdir()  # http.server redirects to dir/
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        try:
+            with CpnClient(url, "key") as client:
+                with pytest.raises(ApiError, match=r"GET /v1/jobs/html: the reply is not JSON"):
+                    client.job("html")
+                with pytest.raises(ApiError, match=r"GET /v1/jobs/shape: unexpected reply \("):
+                    client.job("shape")
+                with pytest.raises(ApiError) as err:
+                    client.job("dir")
+                assert err.value.status == 301
+                with pytest.raises(ApiError) as err:
+                    client.job("missing")
+                assert err.value.status == 404 and str(err.value).startswith("HTTP 404: ")
+        finally:
+            httpd.shutdown()
