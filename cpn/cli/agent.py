@@ -202,13 +202,15 @@ def agent(
     from agents.config import AgentConfig, KubernetesSettings  # noqa: PLC0415
     from agents.discovery.gpus import VirtualGpus  # noqa: PLC0415
     from cpn.cli.serve import setup_logging  # noqa: PLC0415
+    from cpn.control.validation import is_host_port  # noqa: PLC0415
 
     if not _NAME.match(site) or len(site) > 64:
         raise InputError(f"--site: {site!r}: use letters, digits and _ . - (start alphanumeric)")
     for address in control.split(","):
-        host, sep, port = address.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise InputError(f"--control: {control!r}: expected HOST:PORT[,HOST:PORT…]")
+        if not is_host_port(address.strip()):
+            raise InputError(
+                f"--control: {address.strip()!r}: expected HOST:PORT[,HOST:PORT…], port 1–65535"
+            )
     node = _node_name(node_name)
     if not _NAME.match(node):
         raise InputError(f"--node-name: {node!r}: use letters, digits and _ . -")

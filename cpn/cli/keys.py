@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from cpn.cli import app
+from cpn.contracts.limits import INT32_MAX
 
 keys_app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
@@ -33,7 +34,13 @@ def create(
     admin: Annotated[bool, typer.Option("--admin", help="Sees every tenant's jobs.")] = False,
     gpu_quota: Annotated[
         int | None,
-        typer.Option("--gpu-quota", min=0, help="Set the tenant's GPU quota.", show_default=False),
+        typer.Option(
+            "--gpu-quota",
+            min=0,
+            max=INT32_MAX,  # the column is a 32-bit INTEGER on PostgreSQL
+            help="Set the tenant's GPU quota.",
+            show_default=False,
+        ),
     ] = None,
     database_url: DbOpt = None,
 ) -> None:

@@ -170,29 +170,31 @@ def lease(site: str, agent_id: str, lease_id: str) -> None:
     _label(lease_id, "lease_id", max_len=LEASE_ID_MAX)
 
 
-def probe_address(value: str) -> None:
-    """`host:port`: an IPv4 address, a bracketed IPv6 address or a DNS name; empty is fine.
-
-    Other agents are told this address and connect to it, so it must be an address and
-    nothing else."""
-    if not value:
-        return
-    bad = InvalidField("probe_address", f"{quote(value)}: expected host:port")
+def is_host_port(value: str) -> bool:
+    """`host:port` with port 1–65535 and host an IPv4 address, a bracketed IPv6 address
+    (no zone id: it means nothing to another host) or a DNS name. The one check of an
+    address cpn dials or tells others to dial (a probe address, `cpn agent --control`)."""
     if len(value) > ADDRESS_MAX or not value.isascii() or not value.isprintable():
-        raise bad
+        return False
     host, sep, port = value.rpartition(":")
     if not sep or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
-        raise bad
+        return False
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise bad from None
-        if "%" in host:  # a zone id means nothing to an agent at another site
-            raise bad
-        return
-    if not _HOSTNAME.fullmatch(host):
-        raise bad
+            return False
+        return "%" not in host
+    return bool(_HOSTNAME.fullmatch(host))
+
+
+def probe_address(value: str) -> None:
+    """`host:port` (`is_host_port`); empty is fine.
+
+    Other agents are told this address and connect to it, so it must be an address and
+    nothing else."""
+    if value and not is_host_port(value):
+        raise InvalidField("probe_address", f"{quote(value)}: expected host:port")
 
 
 # ---------------------------------------------------------------------------- register

@@ -12,10 +12,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy.exc import OperationalError
+from alembic.util.exc import CommandError
+from sqlalchemy.exc import DatabaseError
 
 import migrations
-from cpn.errors import CpnError
+from cpn.errors import CpnError, InputError
 from cpn.registry.db import make_engine, normalize_url
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
@@ -40,8 +41,10 @@ def _run(url: str, action: str, revision: str) -> None:
             command.upgrade(cfg, revision)
         else:
             command.downgrade(cfg, revision)
-    except OperationalError as exc:
+    except DatabaseError as exc:  # unreachable, or not a database ("file is not a database")
         raise DatabaseUnavailable(f"database {_safe(url)}: {_first_line(exc)}") from None
+    except CommandError as exc:  # Alembic's own: a revision it does not know
+        raise InputError(f"revision {revision!r}: {_first_line(exc)}") from None
 
 
 def upgrade(url: str, revision: str = "head") -> None:
@@ -63,7 +66,7 @@ def current_revision(url: str) -> str | None:
     try:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
-    except OperationalError as exc:
+    except DatabaseError as exc:
         raise DatabaseUnavailable(f"database {_safe(url)}: {_first_line(exc)}") from None
     finally:
         engine.dispose()

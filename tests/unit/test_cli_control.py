@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cpn.control.validation import is_host_port
 from cpn.registry.migrate import head_revision
 from tests.control_harness import control_server
 from tests.processes import TOKENS, write_tokens
@@ -77,6 +78,23 @@ def test_db_bad_urls(url: str, words: str) -> None:
     _one_line_error(cpn("db", "upgrade", "--database-url", url), words)
 
 
+def test_a_file_that_is_no_database_and_an_unknown_revision(tmp_path: Path) -> None:
+    """Every database error the driver raises is one line (outside review: "file is not a
+    database" and Alembic's unknown revision were tracebacks)."""
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"\xff\xfe" * 64)
+    url = f"sqlite:///{junk}"
+    for args in (("db", "upgrade"), ("keys", "list"), ("db", "current")):
+        _one_line_error(
+            cpn(*args, "--database-url", url), f"database {url}: file is not a database"
+        )
+    fresh = f"sqlite:///{tmp_path}/fresh.db"
+    out = cpn("db", "downgrade", "bogus", "--database-url", fresh)
+    _one_line_error(out, "revision 'bogus': Can't locate revision identified by 'bogus'")
+    out = cpn("keys", "create", "--tenant", "t", "--gpu-quota", str(2**64), "--database-url", fresh)
+    assert out.returncode == 2 and "--gpu-quota" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_serve_refuses_bad_input(tmp_path: Path) -> None:
     tokens = write_tokens(tmp_path / "tokens.yaml")
     db = ["--database-url", f"sqlite:///{tmp_path}/s.db", "--host", "127.0.0.1"]
@@ -103,10 +121,34 @@ def test_agent_refuses_bad_flags() -> None:
         cpn("agent", "--site", "a", "--control", "nowhere", "--token", "t"), "--control"
     )
     _one_line_error(cpn("agent", "--site", "a b", "--control", "h:1", "--token", "t"), "--site")
+    out = cpn("agent", "--site", "a", "--control", "h:1,127.0.0.1:99999", "--token", "t")
+    _one_line_error(
+        out, "--control: '127.0.0.1:99999': expected HOST:PORT[,HOST:PORT…], port 1–65535"
+    )
     out = cpn(
         "agent", "--site", "a", "--control", "h:1", "--token", "t", "--worker-command", "run {gpu}"
     )
     _one_line_error(out, "unknown placeholder {gpu}")
+
+
+@pytest.mark.parametrize(
+    ("address", "ok"),
+    [
+        ("127.0.0.1:50051", True),
+        ("control.example:1", True),
+        ("[2001:db8::1]:65535", True),
+        ("127.0.0.1:99999", False),  # gRPC would dial port 99999 mod 65536
+        ("127.0.0.1:0", False),
+        ("h:", False),
+        (":50051", False),
+        ("h:+1", False),
+        ("h:\u0661", False),  # a non-ASCII digit
+        ("[fe80::1%eth0]:1", False),
+        ("a b:1", False),
+    ],
+)
+def test_the_one_address_check(address: str, ok: bool) -> None:
+    assert is_host_port(address) is ok
 
 
 def test_an_agent_with_a_wrong_token_stops_with_the_reason(tmp_path: Path) -> None:
