@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
+from cpn.contracts.loading import format_location
 from cpn.orchestration.errors import (
     Conflict,
     InvalidRequest,
@@ -30,11 +31,14 @@ STATUS: dict[type[ServiceError], int] = {
 
 
 def _location(loc: tuple[object, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
-    return out or "body"
+    """The field as a job file would name it (`cpn.contracts.loading.format_location`:
+    pydantic's union branch tags dropped), "body" for the whole body."""
+    parts = tuple(
+        p if isinstance(p, int) else int(p) if str(p).isdigit() else str(p)
+        for p in loc
+        if p != "body"
+    )
+    return format_location(parts) or "body"
 
 
 def validation_message(exc: RequestValidationError) -> str:

@@ -156,7 +156,10 @@ def check_capacity(
     where = f" in sites {', '.join(sorted(allowed))}" if allowed else ""
     model = f" {job.constraints.gpu_model}" if job.constraints.gpu_model else ""
 
+    floor = job.constraints.min_gpu_memory_gb or 0.0  # the job asked for that much
+
     def need(shards: int, gib: float) -> str:
+        gib = max(gib, floor)
         gpus = f"{shards * tp}{model} GPUs"
         if tp > 1:
             gpus += f" ({shards} groups of {tp} in one node)"

@@ -209,6 +209,9 @@ def test_quota_refuses_with_the_quota_named(api: Api) -> None:
         ({"priority": 5000}, "priority"),
         ({"parallel": "auto", "gpus": 10**9}, "gpus: at most 65536"),
         ({"candidate": -1, "quote_id": "q"}, "candidate"),
+        # A union's branch tags (function-after[…], literal['auto']) are not a field name.
+        ({"parallel": None}, "parallel: Input should be a valid dictionary"),
+        ({"parallel": {"dp": "a", "tp": 1, "pp": 1}}, "parallel.dp: Input should be a valid int"),
     ],
 )
 def test_malformed_bodies_get_422_naming_the_field(
@@ -260,6 +263,9 @@ def test_a_job_that_can_never_fit_gets_the_shortfall(api: Api) -> None:
     reply = api.http.post("/v1/jobs", json=job, headers=api.as_("bob"))
     assert reply.status_code == 422
     assert reply.json()["detail"] == "the job can never fit: needs 16 GPUs with ≥ 1.0 GB, 6 free"
+    picky = {**tiny_job("picky"), "constraints": {"min_gpu_memory_gb": 80}}
+    reply = api.http.post("/v1/jobs", json=picky, headers=api.as_("bob"))
+    assert reply.json()["detail"] == "the job can never fit: needs 4 GPUs with ≥ 80.0 GB, 0 free"
     assert _jobs(api.registry) == 0
 
 
