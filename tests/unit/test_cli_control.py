@@ -98,7 +98,7 @@ def test_a_file_that_is_no_database_and_an_unknown_revision(tmp_path: Path) -> N
 def test_serve_refuses_bad_input(tmp_path: Path) -> None:
     tokens = write_tokens(tmp_path / "tokens.yaml")
     db = ["--database-url", f"sqlite:///{tmp_path}/s.db", "--host", "127.0.0.1"]
-    _one_line_error(cpn("serve", "--site-tokens", tmp_path / "missing.yaml", *db), "cannot read")
+    _one_line_error(cpn("serve", "--site-tokens", tmp_path / "missing.yaml", *db), "no such file")
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: same-token\nb: same-token\n")
     _one_line_error(cpn("serve", "--site-tokens", bad, *db), "same token as site 'a'")

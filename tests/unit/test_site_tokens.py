@@ -58,5 +58,5 @@ def test_bad_files_get_one_line_naming_the_problem(tmp_path: Path, text: str, me
 
 
 def test_a_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="cannot read"):
+    with pytest.raises(InputError, match=r"nope\.yaml: no such file$"):
         SiteTokens.load(tmp_path / "nope.yaml")
