@@ -318,6 +318,9 @@ def launch(
     from cpn.train.run_files import RunFiles  # noqa: PLC0415
     from cpn.train.trainer import check_launch, nothing_to_train  # noqa: PLC0415
 
+    if checkpoint_on_usr2 and checkpoint_store is None:
+        # Refused, not ignored: SIGUSR2 would otherwise end the launch (its default action).
+        raise InputError("--checkpoint-on-usr2: needs --checkpoint-store")
     mine = _ranks(ranks)
     where: dict[str, Any] = {
         "run_id": run_id or "cpn",
@@ -351,7 +354,7 @@ def launch(
         return
     spec_plan, spec_job = _load(plan, job)
     request = None
-    if checkpoint_on_usr2 and checkpoint_store is not None:
+    if checkpoint_on_usr2:
         from cpn.train.checkpoint_request import touch_on_signal  # noqa: PLC0415
 
         workdir.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from cpn.comm import Traffic, new_groups
+from cpn.comm import CommError, Traffic, new_groups
 from cpn.comm.flag import StepMax
 from cpn.contracts.job import Dtype, JobSpec, ParallelSpec, WanCompression, layout_problem
 from cpn.contracts.plan import Plan
@@ -143,7 +143,10 @@ def nothing_to_train(job: JobSpec, opts: TrainOptions, resume_step: int | None) 
     end = total if opts.stop_after is None else min(total, opts.stop_after)
     if resume_step < end:
         return None
-    where = f"checkpoint step {resume_step} in {opts.checkpoint_store}"
+    if opts.resume_from:  # the step's own directory, named by the caller
+        where = f"checkpoint {opts.resume_from.rstrip('/')}"
+    else:
+        where = f"checkpoint step {resume_step} in {opts.checkpoint_store}"
     if end < total:
         return (
             f"nothing to train: already trained to step {resume_step} of {total}, "
@@ -238,12 +241,18 @@ class Trainer:
         if not dist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(
-                "nccl" if self.device.type == "cuda" else "gloo",
-                rank=self.rank,
-                world_size=self.layout.world,
-                timeout=timedelta(seconds=self.opts.timeout_s),
-            )
+            try:
+                dist.init_process_group(
+                    "nccl" if self.device.type == "cuda" else "gloo",
+                    rank=self.rank,
+                    world_size=self.layout.world,
+                    timeout=timedelta(seconds=self.opts.timeout_s),
+                )
+            except dist.DistError as exc:  # peers that never join, a store that is gone
+                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CommError(
+                    "joining the process group", range(self.layout.world), 0, cause
+                ) from None
         self._build()
 
     def _build(self) -> None:

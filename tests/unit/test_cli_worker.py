@@ -188,6 +188,17 @@ def test_cpn_train_refuses_a_plan_for_another_version_of_the_job(tmp_path: Path)
     assert "binding.job_digest: the plan was made for another version of job" in line
 
 
+def test_a_worker_whose_peers_never_join_says_so_in_one_line(tmp_path: Path) -> None:
+    """Outside review: torch's DistStoreError escaped as a 54-line traceback."""
+    plan, spec = files(tmp_path, dp=2, tp=1, pp=1)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    out = worker(tmp_path, "--plan", plan, "--job", spec, "--rank", "0", "--timeout", "2", env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    [line] = [x for x in out.stderr.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: joining the process group failed at step 0 among ranks [0, 1]")
+    assert "1/2 clients joined" in line
+
+
 def test_metrics_to_stdout_one_json_line_per_step(tmp_path: Path) -> None:
     plan, spec = files(tmp_path, dp=1, tp=1, pp=1)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1"}
@@ -269,6 +280,20 @@ def test_resuming_a_finished_run_says_so_and_starts_nothing(tmp_path: Path) -> N
     assert (out.returncode, out.stderr.strip()) == (0, want)
     assert json.loads((work / "result.json").read_text()) == {"ok": True, "trained": 0}
     assert not list(work.glob("rank-*"))
+    # Named by its step directory, without a store of the run's own (outside review: the
+    # line said "in None").
+    step = f"{store}/step-00000010"
+    out = cli("train", "--plan", plan, "--job", spec, "--resume-from", step)
+    assert (out.returncode, out.stderr.strip()) == (
+        0,
+        f"nothing to train: already trained to step 10 of 10 (checkpoint {step})",
+    )
+    # SIGUSR2 asks for a checkpoint: without a store it is refused, not left to end the
+    # launch (the signal's default action).
+    out = cli("launch", "--plan", plan, "--job", spec, "--ranks", "0,1", "--rdzv-endpoint",
+              "127.0.0.1:0", "--workdir", str(work), "--checkpoint-on-usr2")  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "error: --checkpoint-on-usr2: needs --checkpoint-store"
 
 
 def test_resuming_past_stop_after_says_so(tmp_path: Path) -> None:
