@@ -14,6 +14,7 @@ differently fused buckets, keeps them; they live on the gradients' device.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -128,8 +129,10 @@ class WanSyncState:
             raise ValueError(f"bucket_elements: must be ≥ 1, got {bucket_elements}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum: must be in [0, 1), got {momentum}")
-        if clip_norm is not None and clip_norm <= 0:
-            raise ValueError(f"clip_norm: must be > 0 or None, got {clip_norm}")
+        if clip_norm is not None and not 0 < clip_norm < math.inf:  # NaN fails too
+            raise ValueError(f"clip_norm: must be a finite number > 0 or None, got {clip_norm}")
+        if not isinstance(timeout, datetime.timedelta):
+            raise ValueError(f"timeout: must be a datetime.timedelta, got {timeout!r}")
         if timeout.total_seconds() <= 0:
             raise ValueError(f"timeout: must be positive, got {timeout}")
         sparse = compression in ("topk", "auto")

@@ -156,6 +156,9 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
         ({"bucket_elements": 0}, "bucket_elements"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"timeout": datetime.timedelta(0)}, "timeout"),
+        ({"timeout": 5}, "timeout: must be a datetime.timedelta"),
+        ({"clip_norm": float("nan")}, "clip_norm"),
+        ({"clip_norm": float("inf")}, "clip_norm"),
     ],
 )
 def test_bad_arguments_are_value_errors_naming_the_argument(
