@@ -34,7 +34,7 @@ def _location(loc: tuple[object, ...]) -> str:
     """The field as a job file would name it (`cpn.contracts.loading.format_location`:
     pydantic's union branch tags dropped), "body" for the whole body."""
     parts = tuple(
-        p if isinstance(p, int) else int(p) if str(p).isdigit() else str(p)
+        p if isinstance(p, int) else int(str(p)) if str(p).isdigit() else str(p)
         for p in loc
         if p != "body"
     )

@@ -179,7 +179,10 @@ def _exchange(
         # Local gradient clipping (DGC): bound the site's mean gradient, scaled to the
         # share of the bucket this rank holds.
         share = (window.hi - window.lo) / max(sum(window.sizes), 1)
-        limit = state.clip_norm * sum_of * share**0.5
+        # v sums `sum_of` ranks' gradients, each already divided by the group size when
+        # the buckets are prescaled: the limit is in the same units.
+        summed = sum_of / state.averaged_over if state.prescaled else sum_of
+        limit = state.clip_norm * summed * share**0.5
         norm = float(v.norm())
         if norm > limit:
             v = v * (limit / norm)
@@ -198,13 +201,18 @@ def _exchange(
 
     density = state.schedule.at(state.step) if state.sparse else 1.0
     if state.flush_next or density is None:
-        # Dense fp16 step: send the whole accumulator, keep its rounding error.
-        sent = saturate(acc, torch.float16)
-        acc -= sent.to(torch.float32)
+        # Dense fp16 step: send the whole accumulator, keep its rounding error. fp16 must
+        # hold what a mean holds, not a sum: unless the buckets are prescaled already, the
+        # step sends the accumulator divided by the group size rounded up to a power of
+        # two (exact: the residual stays exact, and the fp16 sum rounds as the unscaled
+        # one would, shifted by whole binary orders) and scales the sum back.
+        scale = 1 if state.prescaled else 1 << (state.averaged_over - 1).bit_length()
+        sent = saturate(acc / scale, torch.float16)
+        acc -= sent.to(torch.float32) * scale
         if not finite:
             sent.fill_(float("nan"))
         total = all_reduce(sent, member, traffic, "wan", what="the WAN exchange (dense step)")
-        return total.to(torch.float32), commit
+        return total.to(torch.float32) * scale, commit
 
     total, idx = send_with_feedback(
         state,
@@ -302,7 +310,10 @@ def sync_flat(
     """
     world = state.groups.world
     if flat.numel() == 0 or world == 1:
-        return flat.to(torch.float32).clone()
+        out = flat.to(torch.float32).clone()
+        if not bool(torch.isfinite(out).all()):  # nothing to average, still a void step
+            state.mark_not_finite()
+        return out
     x = flat.to(torch.float32)
     n = state.averaged_over
     if state.prescaled:

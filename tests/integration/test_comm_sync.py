@@ -23,6 +23,7 @@ from cpn.comm import (
     sync_gradients,
     wan_sync_hook,
 )
+from cpn.comm.state import Compression
 from cpn.contracts.job import JobSpec
 from cpn.costmodel import Workload
 from cpn.gpt_shapes import stage_parameters
@@ -263,6 +264,78 @@ def test_error_feedback_conserves_the_gradient_and_resume_is_exact() -> None:
             assert r["conserved"], case  # Σ sent + residuals == Σ gradients, exactly
             assert r["residual_nonzero"], case  # ... and something was really held back
             assert r["resume_exact"], case
+
+
+# -- wire dtypes: what fits a mean never overflows, and clipping means the same ---------
+NARROW_CODECS: tuple[Compression, ...] = ("topk", "int8", "int4", "auto")
+
+
+def _wire_dtypes(rank: int, world: int) -> dict[str, Any]:
+    """Every codec with error feedback × every wire dtype, on two sites of two ranks:
+    a gradient of 40000 everywhere (fp16 holds the mean, not the sum of four), through a
+    normal step and a dense flush step; and local clipping to norm 1 of ranks whose
+    gradient has norm 10 (outside review: the dense steps of `auto` and of a flush sent
+    the sum in fp16 and voided the step; with a narrow wire the clip let the average
+    through at world-size times the limit)."""
+    out: dict[str, Any] = {}
+    layout = ["a", "a", "b", "b"]
+    for codec in NARROW_CODECS:
+        for wire_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            name = f"{codec} {wire_dtype}"
+            means = []
+            for flush in (False, True):
+                state = WanSyncState(layout, compression=codec, density=1.0, wire_dtype=wire_dtype)
+                state.flush_next = flush
+                big = [torch.full((64,), 40000.0)]
+                skipped = sync_gradients(state, big)
+                means.append((skipped, float(big[0].min()), float(big[0].max())))
+            out[name] = means
+            clipped = WanSyncState(
+                layout, compression=codec, density=1.0, wire_dtype=wire_dtype, clip_norm=1.0
+            )
+            grad = [torch.full((16,), 2.5)]  # norm 10 on every rank
+            sync_gradients(clipped, grad)
+            out[f"{name} clipped"] = float(grad[0].norm())
+    return out
+
+
+def test_narrow_wires_hold_what_a_mean_holds_and_clip_to_the_same_norm() -> None:
+    for r in run_ranks(_wire_dtypes, 4):
+        for codec in NARROW_CODECS:
+            for wire_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                name = f"{codec} {wire_dtype}"
+                normal, flushed = r[name]
+                mean = pytest.approx(40000.0, rel=2**-8)  # bf16 holds 8 bits of it
+                assert flushed == (False, mean, mean), (name, flushed)  # a dense fp16 step
+                if codec == "topk":
+                    # Top-k values travel as fp16 site sums: what does not fit is sent
+                    # saturated and the rest stays in the residual (`compress`), for later.
+                    assert not normal[0] and 0 < normal[1] == normal[2] <= 40000.0, name
+                else:
+                    assert normal == (False, mean, mean), (name, normal)
+                assert r[f"{name} clipped"] == pytest.approx(1.0, rel=1e-2), name
+
+
+def _hook_alone(rank: int, world: int) -> list[tuple[int, int]]:
+    out = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        ddp = DDP(model)
+        state = WanSyncState(["a"], compression="topk", density=0.5, overlap=overlap,
+                             parameters=model.parameters())  # fmt: skip
+        ddp.register_comm_hook(state, wan_sync_hook)
+        x = torch.randn(3, 4)
+        x[0, 0] = float("nan")
+        ddp(x).sum().backward()
+        out.append((state.skipped_steps, state.step))
+    return out
+
+
+def test_the_hook_alone_still_counts_a_non_finite_step() -> None:
+    """World size 1: nothing to average, but a NaN step is still a skipped step, as
+    `sync_gradients` counts it (outside review: the hook's early return did not)."""
+    assert run_ranks(_hook_alone, 1) == [[(1, 1), (1, 1)]]
 
 
 # -- zero and empty gradients, dead and stuck peers -------------------------------------
