@@ -147,7 +147,7 @@ class CpnClient:
             with self._http.stream(
                 "GET", f"{_job_path(job_id)}/logs", params=params, timeout=None
             ) as reply:
-                if reply.status_code >= 400:
+                if not reply.is_success:  # as `_call`: redirects included
                     reply.read()
                     raise ApiError(reply.status_code, _message(reply))
                 event = ""

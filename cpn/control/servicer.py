@@ -331,8 +331,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             references.check_task(
                 session, site=r.site, agent_id=r.agent_id, job_id=r.job_id, rank=r.rank
             )
-            job = session.get(Job, r.job_id)
-            job_epoch = job.epoch if job is not None else None
+            # The epoch and the spec only: a job's plan (one row per shard) is large.
+            job = session.execute(
+                select(Job.epoch, Job.spec).where(Job.id == r.job_id)
+            ).one_or_none()
+            job_epoch = None if job is None else job.epoch
             if job is not None:
                 _check_against_job(r, job.epoch, job.spec)
             if job_epoch is not None and r.epoch < job_epoch:
@@ -398,7 +401,7 @@ def _check_against_job(r: TaskReport, epoch: int, spec: dict[str, Any]) -> None:
     train = spec.get("train")
     total = train.get("steps") if isinstance(train, dict) else None
     if not isinstance(total, int):
-        return  # a spec from before train.steps was stored: nothing to check against
+        return  # not a stored JobSpec: nothing to check against
     if r.step > total:
         raise InvalidField("step", f"at most the job's train.steps ({total}), got {r.step}")
     for i, s in enumerate(r.steps):
