@@ -107,9 +107,15 @@ def make_backend(config: AgentConfig, gpus: Hardware) -> SiteBackend:
 def _kubernetes(config: AgentConfig, k8s: KubernetesSettings) -> SiteBackend:
     """The client configured as kubectl would be: in-cluster (a service account), else
     $KUBECONFIG / ~/.kube/config."""
-    from kubernetes import client  # noqa: PLC0415
-    from kubernetes import config as kube_config  # noqa: PLC0415
-    from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
+    try:
+        from kubernetes import client  # noqa: PLC0415
+        from kubernetes import config as kube_config  # noqa: PLC0415
+        from kubernetes.config.config_exception import ConfigException  # noqa: PLC0415
+    except ModuleNotFoundError:  # an optional extra: a plain `pip install cpn` lacks it
+        raise AgentError(
+            "--backend kubernetes: the kubernetes package is not installed "
+            "(pip install 'cpn[kubernetes]')"
+        ) from None
 
     from agents.backends.kubernetes import KubernetesBackend, KubernetesOptions  # noqa: PLC0415
 

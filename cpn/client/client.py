@@ -23,6 +23,8 @@ from cpn.contracts import JobSpec, Reservations, Topology
 from cpn.errors import CpnError, InputError
 
 T = TypeVar("T")
+#: Events per request of `CpnClient.events` (the server allows up to 10 000).
+EVENTS_PAGE = 1000
 
 
 class ApiError(CpnError):
@@ -126,8 +128,16 @@ class CpnClient:
         return self._get(JobPublic, "POST", f"{_job_path(job_id)}/cancel")
 
     def events(self, job_id: str, *, after: int = 0) -> list[EventPublic]:
+        """Every event after `after`, page by page (the server sends at most a page)."""
         path = f"{_job_path(job_id)}/events"
-        return self._get(list[EventPublic], "GET", path, params={"after": after})
+        out: list[EventPublic] = []
+        while True:
+            params = {"after": after, "limit": EVENTS_PAGE}
+            page = self._get(list[EventPublic], "GET", path, params=params)
+            out += page
+            if len(page) < EVENTS_PAGE:
+                return out
+            after = page[-1].id
 
     def metrics(self, job_id: str) -> MetricsPublic:
         return self._get(MetricsPublic, "GET", f"{_job_path(job_id)}/metrics")

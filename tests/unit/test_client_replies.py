@@ -14,13 +14,18 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from sqlalchemy import select
 
 from api import create_app
 from cpn.client import ApiError, CpnClient
+from cpn.client.client import EVENTS_PAGE
 from cpn.errors import InputError
 from cpn.orchestration.tenants import create_key
 from cpn.registry import Registry
+from cpn.registry.events import EventKind, record_event
+from cpn.registry.models import Event
 from tests.processes import free_port
+from tests.service_harness import tiny_job
 
 
 @pytest.fixture
@@ -56,6 +61,24 @@ def test_a_job_id_is_one_path_segment(api_url: tuple[str, str]) -> None:
         with pytest.raises(InputError, match="job id: must not be empty"):
             client.job("")
         assert client.jobs().count == 0  # the same client still works
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_every_event_of_a_job_however_many(api_url: tuple[str, str], registry: Registry) -> None:
+    """`cpn jobs events` promises every transition: the client pages through the server's
+    limit (outside review: one request, the first 1000 only)."""
+    url, key = api_url
+    with CpnClient(url, key) as client:
+        job_id = client.submit(tiny_job("chatty")).id
+        with registry.write() as s:
+            for i in range(EVENTS_PAGE + 5):
+                record_event(s, EventKind.TASK_STATE, f"event {i}", job_id=job_id)
+        with registry.read() as s:
+            stored = s.scalars(select(Event.id).where(Event.job_id == job_id).order_by(Event.id))
+            want = list(stored)
+        assert len(want) > EVENTS_PAGE + 5  # the submission's own events besides
+        assert [e.id for e in client.events(job_id)] == want
+        assert [e.id for e in client.events(job_id, after=want[3])] == want[4:]
 
 
 def test_a_server_that_is_not_cpn_is_named(tmp_path: Path) -> None:

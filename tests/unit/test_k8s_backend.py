@@ -7,6 +7,7 @@ state table on the Job and pod objects the API returns."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -234,3 +235,24 @@ def test_the_agent_builds_it_from_a_kubeconfig(
         assert backend.site_wide and backend.name == "kubernetes"
         asyncio.run(backend.check())
         assert [(n.name, n.gpus) for n in asyncio.run(backend.capacity()).nodes] == [("gpu-a", 4)]
+
+
+def test_without_the_kubernetes_package_the_agent_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It is an optional extra (`pip install cpn` and the Docker image lack it): one line
+    naming the extra, not a ModuleNotFoundError traceback (outside review)."""
+    from agents.agent import AgentError, make_backend  # noqa: PLC0415
+    from agents.config import AgentConfig, KubernetesSettings  # noqa: PLC0415
+    from agents.hardware import Hardware  # noqa: PLC0415
+
+    for name in [m for m in sys.modules if m == "kubernetes" or m.startswith("kubernetes.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # `import kubernetes` now fails
+    config = AgentConfig(
+        site="k", control="127.0.0.1:1", token="x", agent_id="k-agent", node_name="n",
+        backend="kubernetes", kubernetes=KubernetesSettings(NS, "img", None, None),
+        work_dir=tmp_path / "work",
+    )  # fmt: skip
+    with pytest.raises(AgentError, match=r"pip install 'cpn\[kubernetes\]'"):
+        make_backend(config, Hardware(config))
