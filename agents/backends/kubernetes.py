@@ -463,11 +463,11 @@ class KubernetesBackend:
                     for n in json.loads(notes["cpn/nodes"])
                 )
                 epoch = int(meta.labels["cpn/epoch"])
+                handle = Handle(
+                    notes["cpn/job-id"], epoch, meta.name, Path(notes["cpn/run-dir"]), nodes
+                )
             except (KeyError, ValueError, TypeError):
-                continue
-            handle = Handle(
-                notes["cpn/job-id"], epoch, meta.name, Path(notes["cpn/run-dir"]), nodes
-            )
+                continue  # not a Job this agent made whole: nothing to adopt
             self._known[(handle.job_id, handle.epoch)] = handle
             handles.append(handle)
         return handles

@@ -412,7 +412,7 @@ class SlurmBackend:
             return None
         try:
             return parse_jobcomp(self._jobcomp.read_text(errors="replace"), job_id)
-        except OSError:
+        except (OSError, SlurmOutputError):  # unreadable: the job's end stays unknown
             return None
 
     async def poll(self, handle: Handle) -> Status:

@@ -206,7 +206,16 @@ def parse_squeue_json(text: str) -> list[SlurmJob]:
         first = errors[0]
         what = first.get("description") or first.get("error") if isinstance(first, dict) else first
         raise SlurmOutputError(f"squeue --json: {what}")
-    return [job_from_json(j) for j in doc["jobs"] if isinstance(j, dict)]
+    # squeue lists every user's jobs: one it cannot read (a state of a newer Slurm, say)
+    # is left out rather than failing the whole queue, cpn's jobs with it.
+    out = []
+    for j in doc["jobs"]:
+        if isinstance(j, dict):
+            try:
+                out.append(job_from_json(j))
+            except SlurmOutputError:
+                continue
+    return out
 
 
 # ---------------------------------------------------------------------------- text
