@@ -39,7 +39,10 @@ class FakeApi:
     requests: list[tuple[str, str]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ the test's side
-    def add_node(self, name: str, gpus: int, ready: bool = True, cordoned: bool = False) -> None:
+    def add_node(
+        self, name: str, gpus: int | str, ready: bool = True, cordoned: bool = False
+    ) -> None:
+        """`gpus` a string: the allocatable quantity as the API would hold it, verbatim."""
         address = f"10.0.0.{len(self.objects['nodes']) + 1}"
         self._put("nodes", "", {
             "metadata": {"name": name},
@@ -50,6 +53,10 @@ class FakeApi:
                 "addresses": [{"type": "InternalIP", "address": address}],
             },
         })  # fmt: skip
+
+    def add_bare_node(self, name: str) -> None:
+        """A node the API lists before its kubelet has reported any status."""
+        self._put("nodes", "", {"metadata": {"name": name}, "spec": {}})
 
     def set_job(self, ns: str, name: str, status: dict[str, Any]) -> None:
         job = self.objects["jobs"][(ns, name)]

@@ -38,6 +38,7 @@ from typing import Any
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils.quantity import parse_quantity
 from urllib3.exceptions import HTTPError
 
 from agents.backends.base import (
@@ -279,6 +280,24 @@ def _label(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", value)[:63].strip("-._")
 
 
+def _gpu_count(quantity: object) -> int | None:
+    """A node's allocatable GPUs: None if it is not a whole number of devices.
+
+    Extended resources are whole quantities, but the field is a free string that a
+    misconfigured device plugin can fill with anything; one such node must not stop the
+    agent reporting the others. Parsed by the client's own quantity parser ("8", "8e0").
+    """
+    if quantity is None:
+        return 0
+    try:
+        value = parse_quantity(quantity)
+    except (ValueError, TypeError):
+        return None
+    if value < 0 or value != int(value):
+        return None
+    return int(value)
+
+
 @dataclass
 class KubernetesBackend:
     options: KubernetesOptions
@@ -317,26 +336,21 @@ class KubernetesBackend:
         nodes = await self._call("list nodes", self.core.list_node)
         out = []
         for n in nodes.items:
-            alloc = (n.status.allocatable if n.status else None) or {}
-            gpus = int(alloc.get(self.options.gpu_resource, "0") or 0)
-            ready = any(
-                c.type == "Ready" and c.status == "True"
-                for c in (n.status.conditions if n.status else None) or []
-            )
+            status = n.status or client.V1NodeStatus()
+            gpus = _gpu_count((status.allocatable or {}).get(self.options.gpu_resource))
+            ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
             cordoned = bool(n.spec and n.spec.unschedulable)
             address = next(
-                (a.address for a in (n.status.addresses or []) if a.type == "InternalIP"), ""
+                (a.address for a in status.addresses or [] if a.type == "InternalIP"), ""
             )
-            usable = ready and not cordoned
+            usable = ready and not cordoned and gpus is not None
             state = "Ready" if ready else "NotReady"
+            if cordoned:
+                state += ",SchedulingDisabled"
+            if gpus is None:  # reported, so the operator sees why the node holds nothing
+                state += f",UnreadableAllocatable({self.options.gpu_resource})"
             out.append(
-                NodeCapacity(
-                    n.metadata.name,
-                    gpus if usable else 0,
-                    usable,
-                    state + (",SchedulingDisabled" if cordoned else ""),
-                    address,
-                )
+                NodeCapacity(n.metadata.name, (gpus or 0) if usable else 0, usable, state, address)
             )
         return Capacity(tuple(n for n in out if n.gpus or not n.usable))
 

@@ -106,6 +106,28 @@ def test_capacity_counts_ready_uncordoned_gpus(k8s: tuple[FakeApi, KubernetesBac
     assert cap.gpus == 16
 
 
+@pytest.mark.parametrize("quantity", ["eight", "", "0.5", "-1", "1Ki"])
+def test_a_node_with_an_unreadable_gpu_count_is_reported_not_fatal(
+    k8s: tuple[FakeApi, KubernetesBackend], quantity: str
+) -> None:
+    """A device plugin's odd allocatable string, or a node with no status yet, leaves that
+    node unusable and named; the agent still reports the rest (it used to stop at start)."""
+    api, backend = k8s
+    api.add_node("gpu-odd", quantity)
+    api.add_bare_node("gpu-new")
+    cap = asyncio.run(backend.capacity())
+    by_name = {n.name: n for n in cap.nodes}
+    if quantity == "1Ki":  # 1024: a whole quantity in the API's notation is a count
+        assert (by_name["gpu-odd"].gpus, by_name["gpu-odd"].usable) == (1024, True)
+    else:
+        odd = by_name["gpu-odd"]
+        assert (odd.gpus, odd.usable) == (0, False)
+        assert odd.state == "Ready,UnreadableAllocatable(nvidia.com/gpu)"
+    new = by_name["gpu-new"]
+    assert (new.gpus, new.usable, new.state, new.address) == (0, False, "NotReady", "")
+    assert cap.gpus == 16 + (1024 if quantity == "1Ki" else 0)
+
+
 def test_submit_is_idempotent_and_adopt_finds_it(k8s: tuple[FakeApi, KubernetesBackend]) -> None:
     api, backend = k8s
     handle = asyncio.run(backend.submit(_spec()))
