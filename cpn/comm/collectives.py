@@ -173,7 +173,7 @@ def all_gather_flat(
         what,
         member.ranks,
         traffic,
-        lambda: dist.all_gather_into_tensor(out, x.contiguous(), group=member.handle),
+        lambda: dist.all_gather_single(out, x.contiguous(), group=member.handle),
     )
     traffic.add(link, (member.size - 1) * x.numel() * x.element_size())
     return out
@@ -195,7 +195,7 @@ def reduce_scatter(
         what,
         member.ranks,
         traffic,
-        lambda: dist.reduce_scatter_tensor(out, x.contiguous(), group=member.handle),
+        lambda: dist.reduce_scatter_single(out, x.contiguous(), group=member.handle),
     )
     traffic.add(
         link,
