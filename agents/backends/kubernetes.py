@@ -290,7 +290,7 @@ def _gpu_count(quantity: object) -> int | None:
     if quantity is None:
         return 0
     try:
-        value = parse_quantity(quantity)
+        value = parse_quantity(quantity)  # type: ignore[no-untyped-call]
     except (ValueError, TypeError):
         return None
     if value < 0 or value != int(value):
