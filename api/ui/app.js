@@ -4,12 +4,18 @@
 "use strict";
 
 const REFRESH_MS = 2000;
-const state = { key: null, selected: null, pinned: false, charts: {} };
+// Re-read this many steps before the last one shown: a step's row can still gain ranks
+// (and its loss, from the last stage) after it was first drawn.
+const STEP_OVERLAP = 32;
+const EVENTS_SHOWN = 50;
+const state = { key: null, selected: null, pinned: false, charts: {}, series: null };
 
 function readKey() {
   const m = location.hash.match(/key=([^&]+)/);
   if (m) {
-    localStorage.setItem("cpn-api-key", decodeURIComponent(m[1]));
+    let key = null;
+    try { key = decodeURIComponent(m[1]); } catch (e) { /* a malformed escape: ignored */ }
+    if (key) localStorage.setItem("cpn-api-key", key);
     history.replaceState(null, "", location.pathname); // the key leaves the address bar
   }
   state.key = localStorage.getItem("cpn-api-key");
@@ -79,7 +85,8 @@ async function refreshSites() {
   const linkRows = [];
   for (const s of sites) {
     for (const l of s.links) {
-      const key = [s.name, l.peer].sort().join("|");
+      // One row per direction: uplinks are often asymmetric.
+      const key = `${s.name} → ${l.peer}`;
       if (seen.has(key)) continue;
       seen.add(key);
       linkRows.push(row(
@@ -99,22 +106,39 @@ function placement(job) {
   return Object.entries(per).map(([site, n]) => `${site}: ${n} GPU${n > 1 ? "s" : ""}`).join(", ");
 }
 
-async function refreshJobs() {
+function clearJobs(message) {
   const need = document.getElementById("jobs-need-key");
+  need.textContent = message;
+  need.hidden = false;
+  fill(document.querySelector("#jobs tbody"), []);
+  document.getElementById("job-detail").hidden = true;
+  state.series = null;
+}
+
+async function refreshJobs() {
   if (!state.key) {
-    need.hidden = false;
+    clearJobs("Enter an API key (cpn keys create) to see jobs.");
     return;
   }
-  let jobs;
+  let jobs, running;
   try {
-    jobs = (await api("/v1/jobs?limit=20")).data;
+    // The newest jobs, and the running ones however old (the detail panel shows one).
+    [jobs, running] = await Promise.all([
+      api("/v1/jobs?limit=20").then((r) => r.data),
+      api("/v1/jobs?state=running&limit=1").then((r) => r.data),
+    ]);
   } catch (e) {
-    if (e.status === 401) { need.hidden = false; return; }
+    if (e.status === 401) {
+      clearJobs("This API key was rejected: enter a valid one (cpn keys create).");
+      return;
+    }
     throw e;
   }
-  need.hidden = true;
-  if (!state.pinned || !jobs.some((j) => j.id === state.selected)) {
-    const live = jobs.find((j) => ["running", "scheduled", "pending"].includes(j.state));
+  document.getElementById("jobs-need-key").hidden = true;
+  const known = jobs.concat(running.filter((r) => !jobs.some((j) => j.id === r.id)));
+  if (!state.pinned || !known.some((j) => j.id === state.selected)) {
+    const live = running[0] || jobs.find((j) => j.state === "scheduled")
+      || jobs.find((j) => j.state === "pending");
     state.selected = (live || jobs[0] || {}).id || null;
   }
   fill(document.querySelector("#jobs tbody"), jobs.map((j) => {
@@ -129,8 +153,9 @@ async function refreshJobs() {
     tr.addEventListener("click", () => { state.selected = j.id; state.pinned = true; refresh(); });
     return tr;
   }));
-  const job = jobs.find((j) => j.id === state.selected);
+  const job = known.find((j) => j.id === state.selected);
   if (job) await refreshJob(job);
+  else document.getElementById("job-detail").hidden = true;
 }
 
 function chart(id, label, color, xs, ys, format) {
@@ -161,16 +186,32 @@ async function refreshJob(job) {
   st.textContent = job.state;
   st.className = `state ${job.state}`;
   document.getElementById("job-reason").textContent = job.reason;
+  // Only what is new since the last refresh: the server pages from the oldest step and
+  // event, so asking for everything would stop at its page size (10 000 steps, 1000
+  // events) and move megabytes every two seconds.
+  if (!state.series || state.series.job !== job.id) {
+    state.series = { job: job.id, steps: new Map(), lastStep: -1, events: [], lastEvent: 0 };
+  }
+  const series = state.series;
+  const id = encodeURIComponent(job.id);
   const [metrics, events] = await Promise.all([
-    api(`/v1/jobs/${job.id}/metrics`),
-    api(`/v1/jobs/${job.id}/events`),
+    api(`/v1/jobs/${id}/metrics?after=${Math.max(-1, series.lastStep - STEP_OVERLAP)}`),
+    api(`/v1/jobs/${id}/events?after=${series.lastEvent}`),
   ]);
-  const steps = metrics.steps.filter((s) => s.loss !== null);
+  if (state.series !== series) return; // another job was selected meanwhile
+  for (const s of metrics.steps) {
+    series.steps.set(s.step, s);
+    series.lastStep = Math.max(series.lastStep, s.step);
+  }
+  for (const e of events) series.lastEvent = Math.max(series.lastEvent, e.id);
+  series.events = series.events.concat(events).slice(-EVENTS_SHOWN);
+  const all = [...series.steps.values()].sort((a, b) => a.step - b.step);
+  const steps = all.filter((s) => s.loss !== null);
   chart("loss-chart", "loss", "#1f6feb", steps.map((s) => s.step), steps.map((s) => s.loss));
   let total = 0;
-  const wan = metrics.steps.map((s) => (total += s.bytes.wan || 0));
-  chart("wan-chart", "WAN bytes", "#bf3989", metrics.steps.map((s) => s.step), wan, bytes);
-  fill(document.getElementById("events"), events.slice(-50).reverse().map((e) => {
+  const wan = all.map((s) => (total += s.bytes.wan || 0));
+  chart("wan-chart", "WAN bytes", "#bf3989", all.map((s) => s.step), wan, bytes);
+  fill(document.getElementById("events"), series.events.slice().reverse().map((e) => {
     const li = el("li", `${new Date(e.at).toLocaleTimeString()}  ${e.kind}: ${e.message}`);
     li.dataset.kind = e.kind;
     return li;
@@ -197,6 +238,9 @@ document.getElementById("key-form").addEventListener("submit", (ev) => {
   state.key = value || null;
   refresh();
 });
+
+// A link with another key opened in this tab changes only the fragment: no reload.
+window.addEventListener("hashchange", () => { readKey(); refresh(); });
 
 readKey();
 refresh();

@@ -502,7 +502,9 @@ def _shared_sync_floor(
                 if not alive.any():
                     continue
                 cost, room = pair_cost(p, k)
-                alive = peel(cost <= d - extra, room, alive, k, dp, uniform[p])
+                # extra + cost, as the change points are computed: d − extra may round
+                # below a cost whose sum with extra is exactly d, and drop its pair.
+                alive = peel(extra + cost <= d, room, alive, k, dp, uniform[p])
                 out[p, hosts[alive]] = True
         return out
 
