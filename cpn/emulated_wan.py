@@ -168,6 +168,10 @@ def available(prefix: str = DEFAULT_PREFIX) -> tuple[bool, str]:
     return True, ""
 
 
+class EmulationBusyError(RuntimeError):
+    """Another emulation with the same prefix holds its lock (a run in progress)."""
+
+
 class EmulatedWan:
     """`sites` network namespaces joined by a bridge, each uplink shaped to `uplink_mbit`.
 
@@ -324,9 +328,8 @@ class EmulatedWan:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RuntimeError(
-                f"another emulated WAN with prefix {self.ns_prefix!r} is running "
-                f"(it holds {path}); use another prefix"
+            raise EmulationBusyError(
+                f"another emulated WAN with prefix {self.ns_prefix!r} is running (it holds {path})"
             ) from None
         self._lock = fd
 

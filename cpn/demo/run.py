@@ -33,7 +33,7 @@ from cpn.client import ApiError, CpnClient
 from cpn.contracts import JobSpec, LinkSpec, Topology
 from cpn.costmodel import Placement, Workload, evaluate
 from cpn.demo.report import DemoReport, LinkRow, SiteRow
-from cpn.errors import CpnError
+from cpn.errors import CpnError, InputError
 from cpn.network import SiteGraph
 from cpn.train.report import read_metrics, summarise
 
@@ -245,8 +245,22 @@ def run_demo(settings: DemoSettings, ui: DemoUI) -> DemoReport:
     made_workdir = settings.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="cpn-demo-")) if made_workdir else settings.workdir
     assert workdir is not None
-    workdir.mkdir(parents=True, exist_ok=True)
+    if not made_workdir and workdir.exists():
+        # An earlier run's database would hold its jobs and sites, its logs would mix
+        # with this run's: refused rather than half-reused.
+        if not workdir.is_dir():
+            raise InputError(f"--workdir {workdir}: not a directory")
+        if any(workdir.iterdir()):
+            raise InputError(
+                f"--workdir {workdir}: not empty (an earlier demo's files?); "
+                "give a new or empty directory"
+            )
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--workdir {workdir}: cannot create it ({exc.strerror})") from None
     ui.status(f"working directory {workdir}")
+    failed = False
     try:
         with ExitStack() as stack:
             stack.enter_context(_cleanup_not_interrupted())
@@ -264,16 +278,24 @@ def run_demo(settings: DemoSettings, ui: DemoUI) -> DemoReport:
                 )
                 try:
                     wan = stack.enter_context(sites)
-                except RuntimeError as exc:  # another demo holds the names, or ip/tc failed
+                except emulated_wan.EmulationBusyError as exc:
+                    raise DemoFailed(
+                        f"another cpn demo is running on this machine ({exc}): wait for it "
+                        "to end, or run this one on loopback with --no-emulate"
+                    ) from None
+                except RuntimeError as exc:  # ip or tc failed
                     raise DemoFailed(f"cannot build the emulated sites: {exc}") from None
             procs = _Procs(workdir)
             stack.callback(procs.stop_all)
             stack.callback(_ignore_interrupts)  # runs first on the way out
             return _run(settings, ui, workdir, wan, procs, why, began)
+    except DemoFailed:
+        failed = True  # the message points at the logs: they stay
+        raise
     finally:
-        if made_workdir and not settings.keep:
+        if made_workdir and not settings.keep and not failed:
             shutil.rmtree(workdir, ignore_errors=True)
-        elif settings.keep:
+        elif settings.keep or failed:
             ui.status(f"kept {workdir}: the database, every process's log, the workers' files")
 
 

@@ -171,3 +171,6 @@ def test_failure_mid_run_leaves_nothing(tmp_path: Path) -> None:
     os.kill(int(serve[0].split(":")[0]), signal.SIGKILL)
     code, out = _finished(proc, lines, reader, tmp_path)
     assert code == 1 and "error: serve exited with -9" in out, out
+    # The message points at the logs, so they stay (a temporary directory was deleted).
+    assert f"kept {tmp_path / 'work'}:" in " ".join(out.split()), out
+    assert (tmp_path / "work" / "serve.log").exists()

@@ -31,3 +31,29 @@ def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) ->
     assert message.replace("{file}", str(file)) in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "work").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("kind", ["earlier run", "a file", "under a file"])
+def test_a_workdir_in_use_is_refused_before_anything_starts(tmp_path: Path, kind: str) -> None:
+    """A second demo in the same --workdir would reuse the first one's database (its jobs
+    and sites) and crashed on its baseline's directory: refused in one line instead."""
+    work = tmp_path / "work"
+    if kind == "earlier run":
+        (work / "ddp").mkdir(parents=True)
+        (work / "cpn.db").write_bytes(b"")
+        target, message = work, "not empty (an earlier demo's files?)"
+    elif kind == "a file":
+        work.write_text("")
+        target, message = work, "not a directory"
+    else:
+        work.write_text("")
+        target, message = work / "sub", "cannot create it"
+    done = subprocess.run(
+        [*CPN, "demo", "--no-emulate", "--steps", "2", "--workdir", str(target)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"--workdir {target}: {message}" in done.stderr
+    assert "Traceback" not in done.stderr
+    if kind == "earlier run":
+        assert sorted(p.name for p in work.iterdir()) == ["cpn.db", "ddp"]  # left as it was
