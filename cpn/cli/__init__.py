@@ -20,6 +20,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Markdown joins a docstring's wrapped lines into paragraphs that fit the terminal
+    # (the default keeps every source line break, then wraps again: ragged at 80 columns).
+    rich_markup_mode="markdown",
 )
 
 

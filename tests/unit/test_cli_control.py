@@ -216,3 +216,19 @@ def test_serve_takes_its_settings_from_the_environment(tmp_path: Path) -> None:
     shown = cpn("serve", "--print-settings", "--lease-ttl", "30", env={"CPN_LEASE_TTL_S": "20"})
     assert '"lease_ttl_s": 30.0' in shown.stdout
     _one_line_error(cpn("serve", "--print-settings", env={"CPN_GRPC_PORT": "x"}), "$CPN_GRPC_PORT")
+
+
+def test_help_wraps_to_the_terminal() -> None:
+    """Command summaries are reflowed to the terminal's width: a docstring's own line breaks
+    made ragged lines of one or two words at 80 columns ("… torch.cuda," / "else virtual")."""
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run(
+        [*CPN, "--help"], capture_output=True, text=True, timeout=60, check=True, env=env
+    )
+    panel = done.stdout.split("Commands")[1].splitlines()[1:]
+    body = [line.strip("│").rstrip() for line in panel if line.startswith("│")]
+    assert len(body) > 10, done.stdout
+    # A summary's line other than its last fills most of the width.
+    for line, following in zip(body, body[1:], strict=False):
+        if following.startswith(" " * 6):  # the next line continues this summary
+            assert len(line) > 50, (line, done.stdout)
