@@ -3,6 +3,7 @@ clear line and exit status 2 for every mistake, never a traceback."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -229,6 +230,6 @@ def test_help_wraps_to_the_terminal() -> None:
     body = [line.strip("│").rstrip() for line in panel if line.startswith("│")]
     assert len(body) > 10, done.stdout
     # A summary's line other than its last fills most of the width.
-    for line, following in zip(body, body[1:], strict=False):
+    for line, following in itertools.pairwise(body):
         if following.startswith(" " * 6):  # the next line continues this summary
             assert len(line) > 50, (line, done.stdout)
