@@ -13,12 +13,16 @@ from tests.factories import job, link, topology
 
 @st.composite
 def tiny_cases(draw: st.DrawFn) -> tuple[Topology, JobSpec]:
-    """2–3 sites, ≤ 4 nodes, ≤ 6 shards: small enough to enumerate every placement."""
+    """2–4 sites, ≤ 4 nodes, ≤ 6 shards: small enough to enumerate every placement.
+
+    Links from slow and far to faster than a site's own fabric with no latency (where a
+    WAN hop can beat an in-site one), sites of very unequal room, chains and triangles:
+    the shapes two bound bugs once needed (docs/scheduler.md §10)."""
     pp = draw(st.integers(1, 3))
     # At least 3 shards on nodes of 1–2 slots: most cases must spread over sites.
     dp = draw(st.integers(max(1, -(-3 // pp)), 6 // pp))
     tp = draw(st.sampled_from([1, 2]))
-    wan = draw(st.sampled_from(["none", "fp16", "topk"]))
+    wan = draw(st.sampled_from(["none", "fp16", "int8", "topk"]))
     spec = job(
         dp,
         tp,
@@ -35,8 +39,8 @@ def tiny_cases(draw: st.DrawFn) -> tuple[Topology, JobSpec]:
     w = Workload.of(spec)
     # GPU memory just above one stage's need or another's, so some nodes fit only some stages.
     needs = [*sorted({w.memory_bytes(p) / GIB + 0.001 for p in range(pp)}), 80.0]
-    n_sites = draw(st.integers(2, 3))
-    names = ["a", "b", "c"][:n_sites]
+    n_sites = draw(st.integers(2, 4))
+    names = ["a", "b", "c", "d"][:n_sites]
     n_nodes = draw(st.integers(n_sites, 4))
     owners = [names[i] for i in range(n_sites)] + [
         draw(st.sampled_from(names)) for _ in range(n_nodes - n_sites)
@@ -48,7 +52,7 @@ def tiny_cases(draw: st.DrawFn) -> tuple[Topology, JobSpec]:
             {
                 "name": owner,
                 "gpu_price_per_hour": 1.0,
-                "intra_site_gbps": draw(st.sampled_from([100, 800])),
+                "intra_site_gbps": draw(st.sampled_from([1, 100, 800])),
                 "nodes": [],
             },
         )
@@ -57,24 +61,16 @@ def tiny_cases(draw: st.DrawFn) -> tuple[Topology, JobSpec]:
                 "name": f"n{i}",
                 "gpu": {
                     "model": "X",
-                    "count": tp * draw(st.integers(1, 2)),
+                    "count": tp * draw(st.integers(1, 3)),
                     "memory_gb": draw(st.sampled_from(needs)),
                     "tflops": draw(st.sampled_from([100, 300])),
                 },
                 "intra_node_gbps": 2000,
             }
         )
-    links = [
-        link(
-            names[i],
-            names[i + 1],
-            draw(st.sampled_from([0.5, 2, 10])),
-            draw(st.sampled_from([5, 50, 150])),
-        )
-        for i in range(n_sites - 1)
-    ]
-    if n_sites == 3 and draw(st.booleans()):
-        links.append(
-            link("a", "c", draw(st.sampled_from([0.5, 2, 10])), draw(st.sampled_from([5, 50])))
-        )
+    gbps = st.sampled_from([0.5, 2, 10, 100, 400])
+    ms = st.sampled_from([0, 1, 5, 50, 150])
+    links = [link(names[i], names[i + 1], draw(gbps), draw(ms)) for i in range(n_sites - 1)]
+    if n_sites >= 3 and draw(st.booleans()):
+        links.append(link("a", names[-1], draw(gbps), draw(ms)))
     return topology(list(site_docs.values()), links), spec

@@ -42,7 +42,17 @@ def solver_line(s: SolverReport) -> str:
     scope = "no placement" if s.layouts_considered is None else "no placement of any layout"
     head = f"solver: {s.status} in {s.seconds:.2f} s; gap"
     if s.proved_by is None:
-        return f"{head} {s.gap:.1%} on {what}: this plan {fmt(s.objective)}, no bound proved"
+        return (
+            f"solver: {s.status} in {s.seconds:.2f} s; gap unknown on {what}: "
+            f"this plan {fmt(s.objective)}, no bound proved"
+        )
+    if s.status == "OPTIMAL" and s.bound < s.objective * (1 - 1e-12):
+        # Optimal on the time model, whose coefficients are rounded: say how far that goes.
+        return (
+            f"{head} 0% on {what} up to the time model's rounding: this plan "
+            f"{fmt(s.objective)}, {scope} {beats} than {fmt(s.bound)} "
+            f"(proved by: {s.proved_by})"
+        )
     if s.status == "OPTIMAL":
         return (
             f"{head} 0% on {what}: this plan's {fmt(s.objective)} is optimal, "

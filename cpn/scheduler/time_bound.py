@@ -14,7 +14,9 @@ apart, because they trade slot against sync:
   (B) some replica crosses. Then some boundary pays at least the cheapest WAN hop of one
       replica, and each stage's sync is at least its least over the k it can have.
 
-and the bound is the smaller of the two. Its parts:
+and the bound is the smaller of the two, raised to (C) (the trade between sync and
+crossings by sites per stage, `_sites_per_stage_bound`) where that is larger, every
+sync term being at least (S) (`_shared_sync_floor`). Its parts:
   - compute: the least t such that every stage's dp shards fit in slots whose compute
     time for that stage is ≤ t (a max-flow check over the node groups), and per stage the
     dp-th fastest slot that fits it;
@@ -330,7 +332,12 @@ def _sites_per_stage_bound(
         local = np.array([w.hop_seconds(None, -(-dp // c), best_fabric) for c in range(1, dp + 1)])
         spread = a_min + b_min * np.ceil(np.maximum(cross, 0) / (i * j))
         carried = _carried_hop(alpha, beta, caps_p[p], caps_p[p + 1], cross)
-        h = np.where(cross > 0, np.maximum(spread, carried), local[common - 1])
+        # No crossing forced is not none made: a placement may still send some replicas
+        # over the WAN (a WAN link can beat a slow site fabric), so the hop is then at
+        # least the cheaper of the in-site one and one replica's cheapest WAN hop.
+        h = np.where(
+            cross > 0, np.maximum(spread, carried), np.minimum(local[common - 1], a_min + b_min)
+        )
         hops.append(h)
     one_hop = a_min + b_min
     best, best_crossing = math.inf, math.inf

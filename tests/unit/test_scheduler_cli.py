@@ -50,7 +50,26 @@ def test_gap_line_names_the_objective_the_bound_and_its_proof() -> None:
         "1.986 s, no placement of any layout is faster than 1.476 s (proved by: time bound)"
     )
     heuristic = _report(status="HEURISTIC", bound=0.0, gap=1.0, proved_by=None)
-    assert solver_line(heuristic).endswith("this plan 393.37 GB, no bound proved")
+    assert solver_line(heuristic) == (
+        "solver: HEURISTIC in 9.41 s; gap unknown on WAN bytes per iteration: this plan "
+        "393.37 GB, no bound proved"
+    )  # not "gap 100%": nothing was proved either way
+    # Optimal on the time model, whose coefficients are rounded: the bound it proves is
+    # a little below the plan, and the line says so rather than "is optimal".
+    rounded = _report(
+        status="OPTIMAL",
+        objective=1.986,
+        bound=1.982,
+        gap=0.0,
+        objective_name="iteration_time",
+        objective_unit="seconds",
+        proved_by="CP-SAT",
+    )
+    assert solver_line(rounded) == (
+        "solver: OPTIMAL in 9.41 s; gap 0% on predicted iteration time up to the time "
+        "model's rounding: this plan 1.986 s, no placement is faster than 1.982 s "
+        "(proved by: CP-SAT)"
+    )
 
 
 def test_cpn_plan_prints_and_stores_what_proved_the_bound() -> None:

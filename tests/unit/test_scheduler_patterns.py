@@ -177,6 +177,52 @@ def test_time_bound_never_exceeds_the_optimum(case: tuple[Topology, JobSpec]) ->
     assert 0 < bound.seconds <= optimum
 
 
+def _site(name: str, gpus: int, fabric: float) -> dict[str, object]:
+    gpu = {"model": "X", "count": gpus, "memory_gb": 80, "tflops": 300}
+    return {"name": name, "intra_site_gbps": fabric, "nodes": [
+        {"name": "n", "intra_node_gbps": 2000, "gpu": gpu}]}  # fmt: skip
+
+
+def _case(
+    sites: list[dict[str, object]],
+    links: list[dict[str, object]],
+    parallel: tuple[int, int],
+    wan: str,
+) -> tuple[Topology, JobSpec]:
+    dp, pp = parallel
+    spec = JobSpec.model_validate({
+        "name": "t",
+        "model": {"layers": 12, "hidden": 256, "heads": 4, "seq_len": 256, "vocab": 50000},
+        "train": {"global_batch": 3 * dp, "micro_batch": 1, "dtype": "fp32", "steps": 1},
+        "parallel": {"dp": dp, "tp": 1, "pp": pp}, "compression": {"wan": wan},
+    })  # fmt: skip
+    return Topology.model_validate({"sites": sites, "links": links}), spec
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # (S): the peel compared a pair's cost with d − (in-site part), which rounded below
+        # the cost at the pair's own change point; d* jumped to the next one (1.34×).
+        _case(
+            [_site("s0", 2, 800), _site("s1", 3, 800), _site("s2", 2, 800)],
+            [link("s0", "s1", 100, 1), link("s1", "s2", 10, 20)],
+            (5, 1),
+            "fp16",
+        ),
+        # (C): "no crossing forced" was taken for "no crossing", charging the slow fabric
+        # a plan that swaps replicas over a faster WAN link never pays (5.8×).
+        _case([_site("a", 2, 1), _site("b", 2, 1)], [link("a", "b", 100, 0)], (2, 2), "none"),
+    ],
+    ids=["shared-sync-rounding", "wan-faster-than-fabric"],
+)
+def test_time_bound_cases_that_once_exceeded_the_optimum(case: tuple[Topology, JobSpec]) -> None:
+    found = _optimum(*case, Objective.ITERATION_TIME)
+    assert found is not None
+    inst, optimum = found
+    assert 0 < iteration_time_bound(inst).seconds <= optimum
+
+
 @SLOW_OK
 @given(tiny_cases())
 def test_cuts_keep_an_optimal_plan_feasible(case: tuple[Topology, JobSpec]) -> None:
