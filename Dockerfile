@@ -6,9 +6,9 @@
 # test_compose.py checks that what it copies exists and what it runs is in the CLI.
 #
 # torch is pinned like everywhere in cpn. Installed from the default index it is the CUDA
-# build (right for agents on GPU hosts, gigabytes in size); for a CPU-only demo image pass
-# PyTorch's CPU wheel index (pytorch.org's install selector shows it):
-#   docker compose build --build-arg PIP_TORCH_ARGS="--index-url <cpu wheel index>"
+# build (right for agents on GPU hosts, gigabytes in size); docker-compose.yml, whose sites
+# have virtual GPUs, passes PyTorch's CPU wheel index in PIP_TORCH_ARGS:
+#   docker build --build-arg PIP_TORCH_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu" .
 
 # The dashboard's chart library from the npm registry, as scripts/setup.sh vendors it.
 FROM node:20-slim AS ui
@@ -35,6 +35,8 @@ COPY --from=ui /ui/vendor ./api/ui/vendor
 COPY agents ./agents
 COPY proto ./proto
 COPY migrations ./migrations
+# The demo profile waits with it for the sites to register (docker-compose.yml).
+COPY scripts/wait_for_sites.py ./scripts/wait_for_sites.py
 # The agents' work directory (a volume in docker-compose.yml) belongs to the user they run as.
 RUN pip install . && useradd --system --create-home cpn \
     && mkdir -p /var/lib/cpn && chown cpn /var/lib/cpn

@@ -85,7 +85,18 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     echo "setup: installing Python packages (torch 2.13.0 CPU build first)"
     "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-    "$VENV/bin/pip" install -q "torch==2.13.0"
+    # PyPI's Linux torch wheel is the CUDA build; PyTorch's CPU index has the +cpu one
+    # (which pip prefers: the local version sorts higher). Used where it can be reached;
+    # elsewhere (a mirror, a wheel directory in pip's config) pip finds torch as set up.
+    torch_index=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+    torch_args=()
+    if "$VENV/bin/python" - "$torch_index" >/dev/null 2>&1 <<'PY'; then
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5)
+PY
+        torch_args=(--extra-index-url "$torch_index")
+    fi
+    "$VENV/bin/pip" install -q "${torch_args[@]}" "torch==2.13.0"
     "$VENV/bin/pip" install -q -e ".[dev]"
     echo "$want" > "$STAMP"
 fi

@@ -53,6 +53,14 @@ def test_services_and_their_order(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert set(services) == {"postgres", "migrate", "control", "demo", *AGENTS}
     assert services["postgres"]["image"].startswith("postgres:")
+    # One image for every cpn service, with torch's CPU build (the sites' GPUs are
+    # virtual; PyPI's Linux torch is the CUDA one, gigabytes).
+    built = {name: svc for name, svc in services.items() if "build" in svc}
+    assert set(built) == {"migrate", "control", "demo", *AGENTS}
+    assert {svc["image"] for svc in built.values()} == {"cpn:local"}
+    for svc in built.values():
+        assert svc["build"]["context"] == "."
+        assert "download.pytorch.org/whl/cpu" in svc["build"]["args"]["PIP_TORCH_ARGS"]
     # Migrations first, once; the control plane after them; agents after the control plane.
     assert services["migrate"]["command"][:2] == ["db", "upgrade"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
@@ -62,7 +70,7 @@ def test_services_and_their_order(compose: dict[str, Any]) -> None:
     assert "/readyz" in " ".join(control["healthcheck"]["test"])
     for name in AGENTS:
         agent = services[name]
-        assert agent["command"][0] == "agent" and agent["build"] == "."
+        assert agent["command"][0] == "agent" and agent["build"]["context"] == "."
         assert agent["depends_on"]["control"]["condition"] == "service_healthy"
         assert _flag(agent["command"], "--control") == "control:50051"
         assert int(_flag(agent["command"], "--virtual-gpus")) > 0
@@ -226,6 +234,7 @@ def test_the_compose_commands_run_as_plain_processes(
         script.replace(PG_URL, shlex.quote(db_url))
         .replace("http://control:8080", f"http://127.0.0.1:{http}")
         .replace("/etc/cpn/gpt-demo.yaml", str(job_file))
+        .replace("/opt/cpn/scripts/", f"{ROOT}/scripts/")
     )
     venv_bin = str(Path(sys.executable).parent)
     done = subprocess.run(
