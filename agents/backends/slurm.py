@@ -98,12 +98,11 @@ SLURM_STATES: dict[str, State] = {
 }
 
 #: Pending reasons that can never pass by waiting: the job is cancelled, not left queued.
+#: What the launch asked for cannot be granted: the launch failed.
 FATAL_PENDING = (
     "PartitionConfig",
     "PartitionNodeLimit",
     "PartitionTimeLimit",
-    "PartitionDown",
-    "PartitionInactive",
     "BadConstraints",
     "JobHeldAdmin",
     "launch failed requeued held",
@@ -111,6 +110,12 @@ FATAL_PENDING = (
     "InvalidQOS",
     "AssocMaxNodesPerJobLimit",
     "AssocMaxWallDurationPerJobLimit",
+)
+#: The site took the planned nodes or partition away (drained, down): the site's loss, not
+#: the job's fault, so NODE_LOST, which the control plane plans again without restarts.
+SITE_LOST_PENDING = (
+    "PartitionDown",
+    "PartitionInactive",
     "ReqNodeNotAvail, UnavailableNodes",
 )
 
@@ -420,14 +425,19 @@ class SlurmBackend:
         if job is None:
             return Status(State.UNKNOWN, "", f"Slurm job {handle.native_id} is not known")
         status = slurm_status(job)
-        if job.state == "PENDING" and any(r in job.reason for r in FATAL_PENDING):
-            await self._run("scancel", handle.native_id, check=False)
-            return Status(
-                State.FAILED,
-                job.native,
-                f"Slurm cannot start it ({job.reason}); cancelled",
-                job.restarts,
-            )
+        if job.state == "PENDING":
+            for reasons, state in (
+                (FATAL_PENDING, State.FAILED),
+                (SITE_LOST_PENDING, State.NODE_LOST),
+            ):
+                if any(r in job.reason for r in reasons):
+                    await self._run("scancel", handle.native_id, check=False)
+                    return Status(
+                        state,
+                        job.native,
+                        f"Slurm cannot start it ({job.reason}); cancelled",
+                        job.restarts,
+                    )
         return status
 
     async def wait(self, handle: Handle, timeout_s: float) -> None:

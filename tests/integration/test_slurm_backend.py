@@ -198,6 +198,22 @@ def test_a_start_that_can_never_happen_is_cancelled_not_left_pending(
     assert handle.native_id not in slurm.squeue_ids()
 
 
+def test_a_partition_taken_down_is_the_sites_loss_not_the_jobs(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """A drained node or a partition set DOWN between planning and sbatch is the site's
+    doing: NODE_LOST (planned again, no restart counted), not the job's FAILED."""
+    slurm.run("scontrol", "update", "PartitionName=urgent", "State=DOWN")
+    try:
+        backend = _backend(partition="urgent")
+        handle = asyncio.run(backend.submit(_spec(tmp_path, "j-down", ["node1"], "true")))
+        status = _until(backend, handle, {State.NODE_LOST}, 20)
+        assert status.reason == "Slurm cannot start it (PartitionDown); cancelled"
+        assert handle.native_id not in slurm.squeue_ids()
+    finally:
+        slurm.run("scontrol", "update", "PartitionName=urgent", "State=UP")
+
+
 def test_preemption_is_preempted(slurm: SlurmCluster, tmp_path: Path) -> None:
     backend = _backend()
     handle = asyncio.run(backend.submit(_spec(tmp_path, "j-victim", ["node3"], "sleep 300")))
