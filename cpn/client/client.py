@@ -25,6 +25,8 @@ from cpn.errors import CpnError, InputError
 T = TypeVar("T")
 #: Events per request of `CpnClient.events` (the server allows up to 10 000).
 EVENTS_PAGE = 1000
+#: Steps asked for per request (the server's default page).
+METRICS_PAGE = 10_000
 
 
 class ApiError(CpnError):
@@ -140,7 +142,19 @@ class CpnClient:
             after = page[-1].id
 
     def metrics(self, job_id: str) -> MetricsPublic:
-        return self._get(MetricsPublic, "GET", f"{_job_path(job_id)}/metrics")
+        """Every step of the job's series, page by page (the server sends at most a page)."""
+        path = f"{_job_path(job_id)}/metrics"
+        after, first = -1, None
+        steps = []
+        while True:
+            page = self._get(
+                MetricsPublic, "GET", path, params={"after": after, "limit": METRICS_PAGE}
+            )
+            first = first or page
+            steps += page.steps
+            if len(page.steps) < METRICS_PAGE:
+                return first.model_copy(update={"steps": steps})
+            after = page.steps[-1].step
 
     def logs(self, job_id: str, *, rank: int | None = None, after: int = 0) -> LogsPublic:
         params: dict[str, Any] = {"after": after}

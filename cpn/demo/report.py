@@ -113,7 +113,19 @@ class DemoReport:
             loss_end=self.loss_end,
             ok=self.ok,
         )
-        return json.dumps(doc, indent=2)
+        # Strict JSON: a step without a loss (NaN here) is null, as the API writes it.
+        return json.dumps(_finite(doc), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None, at any depth."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 # ------------------------------------------------------------------------------ terminal

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from sqlalchemy import select
+from sqlalchemy import insert, select
 
 from api import create_app
 from cpn.client import ApiError, CpnClient
-from cpn.client.client import EVENTS_PAGE
+from cpn.client.client import EVENTS_PAGE, METRICS_PAGE
 from cpn.errors import InputError
 from cpn.orchestration.tenants import create_key
 from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
-from cpn.registry.models import Event
+from cpn.registry.models import Event, JobStep
 from tests.processes import free_port
 from tests.service_harness import tiny_job
 
@@ -79,6 +79,22 @@ def test_every_event_of_a_job_however_many(api_url: tuple[str, str], registry: R
         assert len(want) > EVENTS_PAGE + 5  # the submission's own events besides
         assert [e.id for e in client.events(job_id)] == want
         assert [e.id for e in client.events(job_id, after=want[3])] == want[4:]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_every_step_of_a_job_however_many(api_url: tuple[str, str], registry: Registry) -> None:
+    """The demo's report and `cpn jobs` read the whole series: the client pages through
+    the server's page (outside review: one request, the first 10 000 steps only)."""
+    url, key = api_url
+    total = METRICS_PAGE + 3
+    with CpnClient(url, key) as client:
+        job_id = client.submit(tiny_job("long")).id
+        with registry.write() as s:
+            rows = [{"job_id": job_id, "step": i, "ranks": 1} for i in range(total)]
+            s.execute(insert(JobStep), rows)
+        series = client.metrics(job_id)
+        assert [st.step for st in series.steps] == list(range(total))
+        assert series.job_id == job_id
 
 
 def test_a_server_that_is_not_cpn_is_named(tmp_path: Path) -> None:

@@ -66,3 +66,18 @@ def test_page_stands_alone_and_escapes(tmp_path: Path) -> None:
     assert path == tmp_path / "out" / "report.html" and path.read_text().startswith("<!doctype")
     doc = json.loads((tmp_path / "out" / "report.json").read_text())
     assert doc["ok"] is True and doc["ddp_wan_bytes"] == 24_284_160
+
+
+def test_report_json_is_strict_json_when_a_step_has_no_loss() -> None:
+    """A step without a loss is NaN in the report; report.json must still parse in a strict
+    reader (it held a bare NaN, which JSON does not have)."""
+    losses = [5.5, float("nan"), 5.3, 5.2, 5.1, 5.0, 4.9, 4.8, 4.7, 4.6]
+    text = _report(losses=losses).to_json()
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    doc = json.loads(text, parse_constant=refuse)
+    assert doc["losses"][1] is None and doc["losses"][0] == 5.5
+    assert doc["loss_start"] is None  # the mean over a window holding the missing loss
+    assert doc["loss_end"] == (4.7 + 4.6) / 2
