@@ -286,16 +286,24 @@ SQUEUE_TEXT_ARGS = ("-h", "-o", _SQUEUE_FORMAT)
 
 
 def parse_squeue_text(text: str) -> list[SlurmJob]:
-    """`squeue -h -o '%i|%j|%T|%r|%N|%k'` (before JSON existed): no exit codes there."""
+    """`squeue -h -o '%i|%j|%T|%r|%N|%k'` (before JSON existed): no exit codes there.
+
+    squeue lists every user's jobs: a line this parser cannot read (too few fields, a
+    state it does not know the form of) is left out rather than failing the whole queue,
+    every cpn job's poll with it, as `parse_squeue_json` does.
+    """
     jobs = []
     for line in text.splitlines():
         if not line.strip():
             continue
         parts = line.split("|", 5)
         if len(parts) != 6:
-            raise SlurmOutputError(f"squeue: unexpected line {line!r:.80}")
+            continue
         job_id, name, state, reason, nodes, comment = parts
-        base, flags = _states(state)
+        try:
+            base, flags = _states(state)
+        except SlurmOutputError:
+            continue
         jobs.append(
             SlurmJob(
                 job_id=job_id,

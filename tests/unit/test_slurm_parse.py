@@ -199,3 +199,11 @@ def test_a_job_it_cannot_read_does_not_hide_the_others() -> None:
     assert {j.job_id for j in parse_squeue_json(json.dumps(queue))} == readable
     with pytest.raises(SlurmOutputError, match="job_state"):
         job_from_json(odd[0])
+
+
+def test_a_line_it_cannot_read_does_not_hide_the_others_in_text_form() -> None:
+    """The text form (clusters without squeue --json) keeps the same promise."""
+    good = "42|cpn-job-1-e1|RUNNING|None|node1|cpn/job-1/1/site-s"
+    text = "\n".join(["7|someone's job|PENDING", good, "8|x|+|None||", ""])
+    (job,) = parse_squeue_text(text)
+    assert (job.job_id, job.state, job.comment) == ("42", "RUNNING", "cpn/job-1/1/site-s")
