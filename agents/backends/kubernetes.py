@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import shlex
 import time
@@ -76,6 +77,8 @@ K8S_STATES: dict[str, State] = {
 
 _DNS = re.compile(r"[^a-z0-9-]+")
 RDZV_PORT = 29400  # every pod has its own IP: one port for every launch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,7 @@ class KubernetesBackend:
     poll_interval_s: float = 1.0
     _known: dict[tuple[str, int], Handle] = field(default_factory=dict)
     _versions: dict[str, str] = field(default_factory=dict)  # Job name → resourceVersion
+    _removals: set[asyncio.Task[None]] = field(default_factory=set)  # forget()'s deletes
 
     @property
     def batch(self) -> client.BatchV1Api:
@@ -487,8 +491,36 @@ class KubernetesBackend:
         return handles
 
     def forget(self, handle: Handle) -> None:
+        """Drop the launch, and delete its ended Job (with its pods) and Service: nothing
+        else removes them (no TTL: an agent down for a while must still find the end it
+        has not reported), so every (job, epoch) stayed in the namespace for good. The
+        workers' files are on the work volume, not in the pods."""
         self._known.pop((handle.job_id, handle.epoch), None)
         self._versions.pop(handle.native_id, None)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not called from the agent's loop: nothing to schedule on
+            return
+        task = loop.create_task(self._remove(handle.native_id))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _remove(self, name: str) -> None:
+        ns = self.options.namespace
+        body = client.V1DeleteOptions(propagation_policy="Background")
+        for what, fn in (
+            ("job", self.batch.delete_namespaced_job),
+            ("service", self.core.delete_namespaced_service),
+        ):
+            try:
+                await asyncio.to_thread(fn, name, ns, body=body)
+            except ApiException as exc:
+                if exc.status != 404:  # gone already is what was wanted
+                    log.warning("kubernetes: delete %s %s: %s %s", what, name, exc.status,
+                                _api_reason(exc))  # fmt: skip
+            except (HTTPError, OSError) as exc:
+                log.warning("kubernetes: delete %s %s: cannot reach the API server (%s)",
+                            what, name, exc)  # fmt: skip
 
 
 def _api_reason(exc: ApiException) -> str:

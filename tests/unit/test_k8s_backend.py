@@ -278,3 +278,24 @@ def test_without_the_kubernetes_package_the_agent_says_how_to_get_it(
     )  # fmt: skip
     with pytest.raises(AgentError, match=r"pip install 'cpn\[kubernetes\]'"):
         make_backend(config, Hardware(config))
+
+
+def test_a_launch_forgotten_after_its_end_leaves_nothing_in_the_namespace(
+    k8s: tuple[FakeApi, KubernetesBackend],
+) -> None:
+    """Every (job, epoch) made a Job, its pods and a Service that nothing removed: once the
+    agent has reported the end and forgets the launch, they are deleted."""
+    api, backend = k8s
+    handle = asyncio.run(backend.submit(_spec()))
+    api.set_job(NS, handle.native_id, {"succeeded": 2, "conditions": [
+        {"type": "Complete", "status": "True"}]})  # fmt: skip
+    assert asyncio.run(backend.poll(handle)).state is State.SUCCEEDED
+
+    async def forget_then_settle() -> None:
+        backend.forget(handle)  # from the agent's loop, as launches.py calls it
+        while backend._removals:  # the deletes it scheduled
+            await asyncio.sleep(0.05)
+
+    asyncio.run(forget_then_settle())
+    assert api.job(NS, handle.native_id) is None and not api.objects["services"]
+    assert asyncio.run(backend.adopt()) == []  # nothing left for a restarted agent
