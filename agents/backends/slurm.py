@@ -11,7 +11,7 @@ order Slurm lists them in. The launcher of node rank 0 serves the rendezvous on 
 `NodeAddr`; when the launch is this site's alone it picks a free port there at start and
 the other nodes read it from the run directory, so launches sharing a host never clash.
 
-States come from `squeue --json -t all` (22.05's string `job_state` and 23.02+'s list
+States come from `squeue --me --json -t all` (22.05's string `job_state` and 23.02+'s list
 both read), then `scontrol -o show job`, then the job-completion log — never from `sacct`,
 which needs slurmdbd. A job pending for a reason that cannot pass (bad partition
 configuration, a held failed launch) is cancelled and reported FAILED: it must not sit
@@ -377,8 +377,10 @@ class SlurmBackend:
         """Every job Slurm still keeps, ended ones too: `-t all`, since 23.02+ apply
         squeue's default filter (pending and running only) to --json as well (22.05's
         --json ignores filters); adopt must see jobs that ended while the agent was away."""
+        # --me: only this agent's user's jobs (the agent submits them), not every user's
+        # queue, which on a shared cluster is megabytes of JSON per poll per launch.
         if self._json is not False:
-            done = await self._run("squeue", "--json", "-t", "all", check=False)
+            done = await self._run("squeue", "--me", "--json", "-t", "all", check=False)
             try:
                 jobs = parse_squeue_json(done)
                 self._json = True
@@ -388,7 +390,7 @@ class SlurmBackend:
                     raise BackendError(f"slurm: {exc}") from None
                 self._json = False
                 log.info("squeue --json unusable here (%s); reading squeue's text", exc)
-        text = await self._run("squeue", "-t", "all", *SQUEUE_TEXT_ARGS)
+        text = await self._run("squeue", "--me", "-t", "all", *SQUEUE_TEXT_ARGS)
         try:
             return parse_squeue_text(text)
         except SlurmOutputError as exc:
