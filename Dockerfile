@@ -38,7 +38,9 @@ COPY migrations ./migrations
 # The demo profile waits with it for the sites to register (docker-compose.yml).
 COPY scripts/wait_for_sites.py ./scripts/wait_for_sites.py
 # The agents' work directory (a volume in docker-compose.yml) belongs to the user they run as.
-RUN pip install . && useradd --system --create-home cpn \
+# With the agents' optional packages: NVML for GPU discovery, the Kubernetes client for
+# `cpn agent --backend kubernetes`.
+RUN pip install ".[nvml,kubernetes]" && useradd --system --create-home cpn \
     && mkdir -p /var/lib/cpn && chown cpn /var/lib/cpn
 USER cpn
 WORKDIR /home/cpn
