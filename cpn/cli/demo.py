@@ -24,7 +24,9 @@ def demo(
     keep: Annotated[
         bool,
         typer.Option(
-            "--keep", help="Keep the working directory (database, logs) and print where it is."
+            "--keep",
+            help="Keep the working directory (database, logs) and print where it is "
+            "(a failed run always keeps it).",
         ),
     ] = False,
     report: Annotated[
@@ -44,7 +46,11 @@ def demo(
     ] = 3,
     workdir: Annotated[
         Path | None,
-        typer.Option("--workdir", help="Working directory (default: a new temporary one)."),
+        typer.Option(
+            "--workdir",
+            help="Working directory: a new or empty one, always kept (default: a new "
+            "temporary one).",
+        ),
     ] = None,
 ) -> None:
     """Run cpn across three emulated datacenters and report what it measured.
