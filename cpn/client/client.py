@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -27,6 +29,11 @@ T = TypeVar("T")
 EVENTS_PAGE = 1000
 #: Steps asked for per request (the server's default page).
 METRICS_PAGE = 10_000
+#: Statuses that mean "not now" rather than "no": a proxy between restarts (502, 504) or
+#: the registry's database away for a moment (503, with Retry-After).
+TRANSIENT = frozenset({502, 503, 504})
+#: Seconds a read waits through transient answers before it gives up (`CpnClient`).
+READ_PATIENCE = 15.0
 
 
 class ApiError(CpnError):
@@ -60,10 +67,33 @@ def _message(reply: httpx.Response) -> str:
     return f"HTTP {reply.status_code}: {json.dumps(body)[:200]}"
 
 
+def _retry_after(reply: httpx.Response, default: float) -> float:
+    """The server's Retry-After in seconds (the delta form; capped, as a hostile or
+    mistaken header must not stall the client), else `default`."""
+    try:
+        seconds = float(reply.headers.get("Retry-After", ""))
+    except ValueError:
+        return default
+    return min(max(seconds, 0.0), 10.0) if math.isfinite(seconds) else default
+
+
 class CpnClient:
-    def __init__(self, server: str, api_key: str | None = None, *, timeout: float = 30.0) -> None:
+    """`read_patience`: seconds a GET goes on retrying a transient answer (`TRANSIENT`),
+    so that one 503 while the database fails over does not end `cpn jobs watch` or a
+    demo. Writes are never retried (a submission's Idempotency-Key is the caller's), nor
+    is an unreachable server (the next call says so at once)."""
+
+    def __init__(
+        self,
+        server: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 30.0,
+        read_patience: float = READ_PATIENCE,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.server = server.rstrip("/")
+        self.read_patience = read_patience
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
 
     def __enter__(self) -> CpnClient:
@@ -75,11 +105,27 @@ class CpnClient:
     def close(self) -> None:
         self._http.close()
 
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request; a GET answered with a transient status is sent again, after the
+        server's Retry-After (else 0.5 s, doubling), until `read_patience` is spent.
+        By hand: httpx's own retries cover failed connections only, not answers."""
+        deadline = time.monotonic() + self.read_patience
+        pause = 0.5
+        while True:
+            try:
+                reply = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                raise ApiError(0, f"cannot reach {self.server}: {exc}") from None
+            if method != "GET" or reply.status_code not in TRANSIENT:
+                return reply
+            wait = _retry_after(reply, pause)
+            if time.monotonic() + wait > deadline:
+                return reply
+            time.sleep(wait)
+            pause = min(pause * 2, 4.0)
+
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            reply = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise ApiError(0, f"cannot reach {self.server}: {exc}") from None
+        reply = self._request(method, path, **kwargs)
         if not reply.is_success:  # redirects included: the API answers none
             raise ApiError(reply.status_code, _message(reply))
         try:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import uvicorn
@@ -119,5 +120,61 @@ def test_a_server_that_is_not_cpn_is_named(tmp_path: Path) -> None:
                 with pytest.raises(ApiError) as err:
                     client.job("missing")
                 assert err.value.status == 404 and str(err.value).startswith("HTTP 404: ")
+        finally:
+            httpd.shutdown()
+
+
+class _Flaky(SimpleHTTPRequestHandler):
+    """Answers 503 (Retry-After as the class says) `busy` times, then `[]`; counts hits."""
+
+    busy = 2
+    retry_after = "0"
+    hits: ClassVar[list[str]] = []
+
+    def _answer(self) -> None:
+        _Flaky.hits.append(self.command)
+        if len(_Flaky.hits) <= _Flaky.busy:
+            body, status = b'{"detail": "the registry\'s database is unavailable; retry"}', 503
+        else:
+            body, status = b"[]", 200
+        self.send_response(status)
+        if status == 503:
+            self.send_header("Retry-After", _Flaky.retry_after)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("retry_after", ["0", "nan", "soon", "-5"])
+def test_a_read_waits_through_a_transient_503_a_write_does_not(retry_after: str) -> None:
+    """One 503 while the database fails over ended `cpn jobs watch` and a running demo
+    (outside review); reads now retry within their patience, writes never (a repeated
+    POST could submit twice), and a server still busy past it is one ApiError."""
+    _Flaky.retry_after = retry_after
+    with ThreadingHTTPServer(("127.0.0.1", 0), _Flaky) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        try:
+            with CpnClient(url, "key") as client:
+                _Flaky.hits, _Flaky.busy = [], 2
+                assert client.sites() == []
+                assert _Flaky.hits == ["GET"] * 3
+                _Flaky.hits, _Flaky.busy = [], 1
+                with pytest.raises(ApiError) as err:
+                    client.submit(tiny_job("once"))
+                assert err.value.status == 503 and _Flaky.hits == ["POST"]
+            with CpnClient(url, "key", read_patience=0.2) as client:
+                _Flaky.hits, _Flaky.busy = [], 10**6
+                began = time.monotonic()
+                with pytest.raises(ApiError, match="database is unavailable") as err:
+                    client.sites()
+                assert err.value.status == 503 and time.monotonic() - began < 5
         finally:
             httpd.shutdown()
