@@ -231,6 +231,30 @@ CPN = [sys.executable, "-m", "cpn"]
 # ------------------------------------------------------------------------------- the demo
 
 
+def _prepare_workdir(workdir: Path) -> None:
+    """Create `--workdir`, or refuse it (InputError) before anything starts.
+
+    An earlier run's database would hold its jobs and sites and its logs would mix with
+    this run's: a directory that is not empty is refused rather than half-reused.
+    """
+    if workdir.exists():
+        if not workdir.is_dir():
+            raise InputError(f"--workdir {workdir}: not a directory")
+        try:
+            earlier = any(workdir.iterdir())
+        except OSError as exc:
+            raise InputError(f"--workdir {workdir}: cannot list it ({exc.strerror})") from None
+        if earlier:
+            raise InputError(
+                f"--workdir {workdir}: not empty (an earlier demo's files?); "
+                "give a new or empty directory"
+            )
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--workdir {workdir}: cannot create it ({exc.strerror})") from None
+
+
 def run_demo(settings: DemoSettings, ui: DemoUI) -> DemoReport:
     """Run the demo to its report; raises `DemoFailed` (after cleaning up) if it cannot."""
     if settings.steps < 2:
@@ -245,20 +269,8 @@ def run_demo(settings: DemoSettings, ui: DemoUI) -> DemoReport:
     made_workdir = settings.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="cpn-demo-")) if made_workdir else settings.workdir
     assert workdir is not None
-    if not made_workdir and workdir.exists():
-        # An earlier run's database would hold its jobs and sites, its logs would mix
-        # with this run's: refused rather than half-reused.
-        if not workdir.is_dir():
-            raise InputError(f"--workdir {workdir}: not a directory")
-        if any(workdir.iterdir()):
-            raise InputError(
-                f"--workdir {workdir}: not empty (an earlier demo's files?); "
-                "give a new or empty directory"
-            )
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"--workdir {workdir}: cannot create it ({exc.strerror})") from None
+    if not made_workdir:
+        _prepare_workdir(workdir)
     ui.status(f"working directory {workdir}")
     failed = False
     try:

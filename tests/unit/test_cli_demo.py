@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from cpn.demo.run import _prepare_workdir
+from cpn.errors import InputError
 from tests.processes import CPN
 
 
@@ -57,3 +60,21 @@ def test_a_workdir_in_use_is_refused_before_anything_starts(tmp_path: Path, kind
     assert "Traceback" not in done.stderr
     if kind == "earlier run":
         assert sorted(p.name for p in work.iterdir()) == ["cpn.db", "ddp"]  # left as it was
+
+
+def test_a_workdir_that_cannot_be_listed_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unlistable --workdir gave a PermissionError traceback (final re-read of stop
+    26). Root (this suite's CI) lists every directory, so the refusal is simulated at
+    `Path.iterdir`, the one call that meets it; chmod 000 is the same for another user."""
+    work = tmp_path / "locked"
+    work.mkdir()
+
+    def refuse(self: Path) -> Iterator[Path]:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    with pytest.raises(InputError) as err:
+        _prepare_workdir(work)
+    assert str(err.value) == f"--workdir {work}: cannot list it (Permission denied)"
