@@ -436,7 +436,7 @@ def place_fixed(
     key = objective_key(objective)
     best: tuple[Instance, Solved] | None = None
     reasons = []
-    bounds = []  # each solved component's bound: a plan elsewhere could be better
+    reports = []  # each solved component's report: a plan elsewhere could be better
     for comp in comps:
         try:
             sub = restrict(inst, set(comp))
@@ -446,7 +446,7 @@ def place_fixed(
         except InfeasibleError as exc:
             reasons.append(str(exc))
             continue
-        bounds.append(solved.report.bound)
+        reports.append(solved.report)
         if best is None or key(solved.evaluation) < key(best[1].evaluation):
             best = (sub, solved)
     if best is None:
@@ -455,19 +455,33 @@ def place_fixed(
             f"other, and no single component fits the job ({reasons[0]})"
         )
     sub, solved = best
-    report = solved.report
-    # The job runs in one component, so no placement beats the least of their bounds; the
-    # chosen one's own bound covers only its component.
-    least = min(bounds)
-    if least < report.bound:
-        value = report.objective
-        optimal = value <= least * (1 + 1e-12)
-        report = report.model_copy(
-            update={
-                "bound": least,
-                "status": "OPTIMAL" if optimal else "FEASIBLE",
-                "gap": 0.0 if optimal or value == 0 else max(0.0, (value - least) / value),
-            }
-        )
+    report = least_of_components(solved.report, reports)
+    if report is not solved.report:
         solved = Solved(solved.shards, solved.evaluation, report)
     return sub, solved
+
+
+def least_of_components(chosen: SolverReport, reports: list[SolverReport]) -> SolverReport:
+    """The report of a plan chosen among WAN components whose solves gave `reports`.
+
+    The job runs in one component, so no placement beats the least of their bounds; the
+    chosen one's own bound covers only its component. The least bound is said with what
+    proved it: a component whose solve proved nothing (HEURISTIC, bound 0) leaves the
+    gap unknown rather than 100 % "proved by" the chosen component's prover.
+    """
+    least = min(reports, key=lambda r: r.bound)
+    if least.bound >= chosen.bound:
+        return chosen
+    value = chosen.objective
+    proved = least.proved_by is not None
+    optimal = proved and value <= least.bound * (1 + 1e-12)
+    return chosen.model_copy(
+        update={
+            "bound": least.bound,
+            "status": "OPTIMAL" if optimal else "FEASIBLE",
+            "gap": 0.0
+            if optimal or value == 0
+            else (max(0.0, (value - least.bound) / value) if proved else 1.0),
+            "proved_by": least.proved_by,
+        }
+    )

@@ -250,3 +250,35 @@ def test_the_carried_hop_floor_is_below_every_flow_of_those_counts(data: st.Data
     )
     event(f"claims something: {floor > 0}")
     assert floor <= slowest_wan * (1 + 1e-9)
+
+
+def test_split_components_report_the_least_bound_with_its_own_prover() -> None:
+    """With the sites split into WAN components the plan's bound is the least of the
+    components' bounds. One whose solve proved nothing (HEURISTIC, bound 0) made the
+    report say "gap 100 % … proved by: time bound" (final re-read of stop 26): now the
+    gap is unknown, and a proved least bound is named by what proved it."""
+    from cpn.cli.render import solver_line  # noqa: PLC0415
+    from cpn.contracts import SolverReport  # noqa: PLC0415
+    from cpn.scheduler.solve import least_of_components  # noqa: PLC0415
+
+    def report(status: str, objective: float, bound: float, by: str | None) -> SolverReport:
+        gap = 0.0 if status == "OPTIMAL" else (objective - bound) / objective
+        return SolverReport(
+            status=status, seconds=1.0, objective=objective, bound=bound, gap=gap,
+            objective_name="iteration_time", objective_unit="seconds", proved_by=by,
+        )  # fmt: skip
+
+    chosen = report("OPTIMAL", 2.0, 2.0, "time bound")
+    nothing = report("HEURISTIC", 3.0, 0.0, None)
+    combined = least_of_components(chosen, [chosen, nothing])
+    assert (combined.status, combined.bound, combined.gap, combined.proved_by) == (
+        "FEASIBLE", 0.0, 1.0, None,
+    )  # fmt: skip
+    assert "gap unknown" in solver_line(combined)
+    by_solver = report("FEASIBLE", 2.5, 1.5, "CP-SAT")
+    combined = least_of_components(chosen, [chosen, by_solver])
+    assert (combined.status, combined.bound, combined.gap, combined.proved_by) == (
+        "FEASIBLE", 1.5, 0.25, "CP-SAT",
+    )  # fmt: skip
+    assert "gap 25.0%" in solver_line(combined) and "(proved by: CP-SAT)" in solver_line(combined)
+    assert least_of_components(chosen, [chosen, report("OPTIMAL", 2.1, 2.1, "CP-SAT")]) is chosen
