@@ -65,6 +65,7 @@ from agents.backends.slurm_parse import (
     parse_scontrol_jobs,
     parse_squeue_json,
     parse_squeue_text,
+    slurm_minutes,
 )
 
 log = logging.getLogger("cpn.agent")
@@ -136,6 +137,9 @@ class SlurmOptions:
     command_timeout_s: float = 30.0
     #: Seconds before the time limit at which Slurm warns the workers (SIGUSR2).
     signal_lead_s: int = 120
+    #: The launches' --time (the agent's --time-limit), checked at start against the
+    #: partition's MaxTime (None: not checked).
+    time_limit_s: int | None = None
 
 
 @dataclass
@@ -149,6 +153,7 @@ class SlurmBackend:
     _nodes: dict[str, SlurmNode] = field(default_factory=dict)
     _jobcomp: Path | None = None
     _known: dict[tuple[str, int], Handle] = field(default_factory=dict)
+    _partition: dict[str, str] = field(default_factory=dict)  # scontrol's fields
 
     # ------------------------------------------------------------------ the CLI
     async def _run(self, *argv: str, stdin: str | None = None, check: bool = True) -> str:
@@ -197,6 +202,26 @@ class SlurmBackend:
         capacity = await self.capacity()
         if not capacity.nodes:
             raise BackendError(f"slurm: partition {self.options.partition!r} has no nodes")
+        self._check_time_limit()
+
+    def _check_time_limit(self) -> None:
+        """A --time above the partition's MaxTime keeps every launch pending for ever
+        (PartitionTimeLimit), each then failed: refused at start, in one line."""
+        wanted = self.options.time_limit_s
+        max_time = self._partition.get("MaxTime", "UNLIMITED")
+        if wanted is None:
+            return
+        try:
+            most = slurm_minutes(max_time)
+        except SlurmOutputError as exc:
+            log.info("partition %s: MaxTime not checked (%s)", self.options.partition, exc)
+            return
+        if most is not None and math.ceil(wanted / 60) > most:
+            raise BackendError(
+                f"slurm: partition {self.options.partition!r} allows {max_time} "
+                f"(MaxTime) per job, but launches would ask for {wanted} s; pass "
+                f"--time-limit {math.floor(most * 60)} or less"
+            )
 
     async def capacity(self) -> Capacity:
         """The partition's nodes and their GPUs (GRES); down or drained nodes offer none."""
@@ -206,6 +231,7 @@ class SlurmBackend:
         fields = key_values(out.strip())
         if fields.get("PartitionName") != self.options.partition:
             raise BackendError(f"slurm: partition {self.options.partition!r} not found")
+        self._partition = fields
         names = set()
         if fields.get("Nodes") not in (None, "", "(null)"):
             hosts = await self._run("scontrol", "show", "hostnames", fields["Nodes"])

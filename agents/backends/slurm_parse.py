@@ -353,3 +353,26 @@ def parse_nodes(text: str) -> list[SlurmNode]:
             )
         )
     return nodes
+
+
+_DURATION = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def slurm_minutes(text: str) -> float | None:
+    """A Slurm time limit in minutes (None: no limit), in the forms `man sbatch` gives
+    for --time: "minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours",
+    "days-hours:minutes", "days-hours:minutes:seconds"; "UNLIMITED"/"INFINITE" is none.
+    Raises SlurmOutputError on anything else."""
+    value = text.strip()
+    if value.upper() in ("UNLIMITED", "INFINITE", "NONE"):
+        return None
+    found = _DURATION.match(value)
+    if found is None:
+        raise SlurmOutputError(f"time limit {value!r:.40}: not a Slurm duration")
+    days, a, b, c = found.groups()
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = int(a), int(b or 0), int(c or 0)
+        return int(days) * 1440 + hours * 60 + minutes + seconds / 60
+    if c is not None:  # hours:minutes:seconds
+        return int(a) * 60 + int(b) + int(c) / 60
+    return int(a) + int(b or 0) / 60  # minutes[:seconds]

@@ -189,7 +189,8 @@ def agent(
             "--time-limit",
             min=60,
             max=365 * 24 * 3600,
-            help="Seconds a launch may run on a site engine (Slurm's --time).",
+            help="Seconds a launch may run on a site engine (Slurm's --time; checked at start "
+            "against the partition's MaxTime).",
         ),
     ] = 24 * 3600,
 ) -> None:
@@ -230,7 +231,12 @@ def agent(
     if backend == "slurm":
         if not slurm_partition:
             raise InputError("--backend slurm: --slurm-partition is required")
-        slurm = SlurmOptions(slurm_partition, slurm_account, tuple(slurm_sbatch_arg or ()))
+        slurm = SlurmOptions(
+            slurm_partition,
+            slurm_account,
+            tuple(slurm_sbatch_arg or ()),
+            time_limit_s=time_limit,
+        )
     elif slurm_partition or slurm_account or slurm_sbatch_arg:
         raise InputError(
             "--slurm-partition, --slurm-account and --slurm-sbatch-arg need --backend slurm"

@@ -282,5 +282,16 @@ def test_bad_input_is_one_clear_line(slurm: SlurmCluster, tmp_path: Path) -> Non
         assert time.monotonic() - started < 30
     finally:
         os.environ["SLURM_CONF"] = str(slurm.conf)
+    # A --time-limit above the partition's MaxTime (short: 1 minute) would fail every
+    # launch (PartitionTimeLimit): refused at start; one that fits passes.
+    too_long = SlurmBackend(SlurmOptions("short", time_limit_s=61), "site-s")
+    with pytest.raises(
+        BackendError,
+        match=r"^slurm: partition 'short' allows 00:01:00 \(MaxTime\) per job, but launches "
+        r"would ask for 61 s; pass --time-limit 60 or less$",
+    ):
+        asyncio.run(too_long.check())
+    asyncio.run(SlurmBackend(SlurmOptions("short", time_limit_s=60), "site-s").check())
+    asyncio.run(SlurmBackend(SlurmOptions("cpn", time_limit_s=10**7), "site-s").check())
     names = slurm.run("squeue", "-h", "-t", "all", "-o", "%j").split()
     assert "cpn-j-big-e0" not in names and "cpn-j-fat-e0" not in names  # nothing submitted

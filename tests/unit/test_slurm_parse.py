@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agents.backends import State
 from agents.backends.slurm import SLURM_STATES, slurm_status
@@ -25,6 +27,7 @@ from agents.backends.slurm_parse import (
     parse_scontrol_jobs,
     parse_squeue_json,
     parse_squeue_text,
+    slurm_minutes,
 )
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "slurm"
@@ -207,3 +210,39 @@ def test_a_line_it_cannot_read_does_not_hide_the_others_in_text_form() -> None:
     text = "\n".join(["7|someone's job|PENDING", good, "8|x|+|None||", ""])
     (job,) = parse_squeue_text(text)
     assert (job.job_id, job.state, job.comment) == ("42", "RUNNING", "cpn/job-1/1/site-s")
+
+
+@given(
+    st.integers(0, 400), st.integers(0, 23), st.integers(0, 59), st.integers(0, 59),
+    st.sampled_from(["d-h:m:s", "d-h:m", "d-h", "h:m:s", "m:s", "m"]),
+)  # fmt: skip
+def test_every_form_of_a_slurm_duration(d: int, h: int, m: int, s: int, form: str) -> None:
+    """`man sbatch`'s forms of --time, as scontrol prints a partition's MaxTime."""
+    text = {
+        "d-h:m:s": f"{d}-{h:02}:{m:02}:{s:02}",
+        "d-h:m": f"{d}-{h}:{m}",
+        "d-h": f"{d}-{h}",
+        "h:m:s": f"{h}:{m:02}:{s:02}",
+        "m:s": f"{m}:{s}",
+        "m": f"{m}",
+    }[form]
+    want = {
+        "d-h:m:s": d * 1440 + h * 60 + m + s / 60,
+        "d-h:m": d * 1440 + h * 60 + m,
+        "d-h": d * 1440 + h * 60,
+        "h:m:s": h * 60 + m + s / 60,
+        "m:s": m + s / 60,
+        "m": m,
+    }[form]
+    assert slurm_minutes(text) == want
+
+
+@pytest.mark.parametrize("text", ["UNLIMITED", "INFINITE", "infinite"])
+def test_no_time_limit(text: str) -> None:
+    assert slurm_minutes(text) is None
+
+
+@pytest.mark.parametrize("text", ["", "1:2:3:4", "-1", "1-", "a", "1.5", "1-2-3"])
+def test_a_duration_slurm_never_prints_is_an_error(text: str) -> None:
+    with pytest.raises(SlurmOutputError, match="not a Slurm duration"):
+        slurm_minutes(text)
