@@ -225,6 +225,7 @@ class LaunchManager:
             run_dir=root,
             env=env,
             time_limit_s=self.time_limit_s,
+            stop_grace_s=self.stop_grace_s,
             rdzv_port=0 if site_wide and alone else order.master_port,
             rdzv_addr=order.master_addr,
             rdzv_host=min(order.ranks, key=lambda r: r.rank).site == self.site,

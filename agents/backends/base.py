@@ -133,6 +133,9 @@ class LaunchSpec:
     rdzv_addr: str = ""  # where the rendezvous is ("": the head node)
     rdzv_host: bool = True  # this site's head node serves the rendezvous store
     epoch: int = 0  # the launch's epoch: (job id, epoch) names one launch
+    #: Seconds the workers have between the stop signal and the kill (the agent's stop
+    #: grace): engines that kill by themselves (Kubernetes' pods) are told it up front.
+    stop_grace_s: float = 10.0
 
     @property
     def procs_per_node(self) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import shlex
 import time
@@ -168,10 +169,12 @@ def manifests(
         node_affinity=client.V1NodeAffinity(
             required_during_scheduling_ignored_during_execution=client.V1NodeSelector(
                 node_selector_terms=[
+                    # By the node's name, as `capacity()` reports it: the hostname
+                    # label differs from it on some clusters (cloud node names).
                     client.V1NodeSelectorTerm(
-                        match_expressions=[
+                        match_fields=[
                             client.V1NodeSelectorRequirement(
-                                key="kubernetes.io/hostname",
+                                key="metadata.name",
                                 operator="In",
                                 values=[n.node for n in spec.nodes],
                             )
@@ -191,6 +194,10 @@ def manifests(
     )
     pod = client.V1PodSpec(
         restart_policy="Never",
+        # The kubelet's SIGTERM-to-SIGKILL wait, for every end it makes (a stop's delete,
+        # whose own grace the Job's garbage collection does not pass on to the pods, the
+        # deadline, a preemption): the workers' time to checkpoint, as on other engines.
+        termination_grace_period_seconds=max(1, math.ceil(spec.stop_grace_s)),
         subdomain=name,
         service_account_name=options.service_account,
         containers=[container],

@@ -56,6 +56,7 @@ def _spec(job: str = "Job_1", epoch: int = 2) -> LaunchSpec:
         env={"CPN_JOB_ID": job},
         time_limit_s=3600,
         epoch=epoch,
+        stop_grace_s=45.5,
     )
 
 
@@ -90,7 +91,12 @@ def test_manifests_from_typed_models() -> None:
     )
     assert "--ranks 2,3 > /work/Job_1/node-1/launcher.log" in script
     hosts = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert hosts["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-a", "gpu-b"]
+    # By node name (the hostname label differs on some clusters), and the workers' stop
+    # grace on the pods, where the kubelet reads it (outside review of stop 26).
+    assert hosts["nodeSelectorTerms"] == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-a", "gpu-b"]}]}
+    ]
+    assert pod["terminationGracePeriodSeconds"] == 46
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "cpn-work"
     labels = doc["metadata"]["labels"]
     assert labels == {"cpn/job": "Job_1", "cpn/epoch": "2", "cpn/agent": "site-k-agent"}
