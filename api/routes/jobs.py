@@ -253,8 +253,8 @@ def _line(row: object) -> LogLinePublic:
             "description": "The lines as JSON; with follow=true, a text/event-stream of "
             "`line` events (each a LogLinePublic) that ends with one `end` event when the "
             'job has ended, or with one `error` event ({"detail": …}) when it cannot go '
-            "on: the API key was revoked, or the server is shutting down (follow again "
-            "with ?after= the last line's id)",
+            "on: the API key was revoked, or the server is shutting down (then the event "
+            'also says {"retry": true}: follow again with ?after= the id of the last line)',
             "content": {"text/event-stream": {}},
         }
     },
@@ -280,8 +280,9 @@ async def job_logs(
     key = credentials.credentials if credentials else None
     stopping: asyncio.Event = request.app.state.stopping
 
-    def error(detail: str) -> bytes:
-        return format_sse_event(data_str=json.dumps({"detail": detail}), event="error")
+    def error(detail: str, retry: bool = False) -> bytes:
+        body = {"detail": detail, "retry": True} if retry else {"detail": detail}
+        return format_sse_event(data_str=json.dumps(body), event="error")
 
     async def stream() -> AsyncIterator[bytes]:
         nonlocal lines, ended
@@ -307,7 +308,9 @@ async def job_logs(
                         async with asyncio.timeout(FOLLOW_POLL_S):
                             await stopping.wait()
                 if stopping.is_set():
-                    yield error(f"the server is shutting down; follow again after line {last}")
+                    yield error(
+                        f"the server is shutting down; follow again after line {last}", retry=True
+                    )
                     return
                 # The key is checked again on every poll (through the key cache), so a
                 # revoked key stops a stream as promptly as it stops any other request.

@@ -34,6 +34,8 @@ METRICS_PAGE = 10_000
 TRANSIENT = frozenset({502, 503, 504})
 #: Seconds a read waits through transient answers before it gives up (`CpnClient`).
 READ_PATIENCE = 15.0
+#: Seconds without a byte after which a followed stream is taken for dead.
+FOLLOW_SILENCE_S = 60.0
 
 
 class ApiError(CpnError):
@@ -65,6 +67,14 @@ def _message(reply: httpx.Response) -> str:
         if isinstance(body.get("detail"), str):
             return str(body["detail"])
     return f"HTTP {reply.status_code}: {json.dumps(body)[:200]}"
+
+
+class _StreamCut(ApiError):
+    """A followed stream ended before the job did, for a reason that may pass."""
+
+    def __init__(self, status: int, message: str, opened: bool) -> None:
+        super().__init__(status, message)
+        self.opened = opened
 
 
 def _retry_after(reply: httpx.Response, default: float) -> float:
@@ -209,17 +219,52 @@ class CpnClient:
         return self._get(LogsPublic, "GET", f"{_job_path(job_id)}/logs", params=params)
 
     def follow_logs(self, job_id: str, *, rank: int | None = None) -> Iterator[LogLinePublic]:
-        """Lines as they come (server-sent events), until the job has ended."""
-        params: dict[str, Any] = {"follow": "true"}
+        """Lines as they come (server-sent events), until the job has ended.
+
+        A stream cut after it was opened — the server restarting or shutting down (it
+        says "follow again"), a proxy's 502–504, a dropped or silent connection — is
+        opened again after the last line received, for up to `read_patience` seconds
+        each time; an answer that is not "not now" (a revoked key, no such job) ends it.
+        """
+        last, opened, deadline = 0, False, None
+        while True:
+            try:
+                for line in self._follow_once(job_id, rank, last):
+                    opened, deadline = True, None  # None: the stream is open
+                    if line is not None:
+                        last = line.id
+                        yield line
+                return
+            except _StreamCut as cut:
+                opened = opened or cut.opened
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.read_patience
+                if not opened or now >= deadline:
+                    raise ApiError(cut.status, str(cut)) from None
+                time.sleep(min(1.0, deadline - now))
+
+    def _follow_once(
+        self, job_id: str, rank: int | None, after: int
+    ) -> Iterator[LogLinePublic | None]:
+        """One stream: None once it is open, then its lines."""
+        params: dict[str, Any] = {"follow": "true", "after": after}
         if rank is not None:
             params["rank"] = rank
+        # The server pings every 15 s (sse-starlette): a minute of silence is a dead link.
+        timeout = httpx.Timeout(self._http.timeout.connect, read=FOLLOW_SILENCE_S)
+        opened = False
         try:
             with self._http.stream(
-                "GET", f"{_job_path(job_id)}/logs", params=params, timeout=None
+                "GET", f"{_job_path(job_id)}/logs", params=params, timeout=timeout
             ) as reply:
+                if reply.status_code in TRANSIENT:
+                    reply.read()
+                    raise _StreamCut(reply.status_code, _message(reply), opened=False)
                 if not reply.is_success:  # as `_call`: redirects included
                     reply.read()
                     raise ApiError(reply.status_code, _message(reply))
+                opened = True
+                yield None
                 event = ""
                 for raw in reply.iter_lines():
                     if raw.startswith("event:"):
@@ -229,11 +274,14 @@ class CpnClient:
                     elif raw.startswith("data:") and event == "end":
                         return
                     elif raw.startswith("data:") and event == "error":
-                        detail = json.loads(raw.partition(":")[2].strip())["detail"]
-                        raise ApiError(reply.status_code, f"log stream: {detail}")
-            raise ApiError(0, "log stream: closed by the server before the job ended")
+                        said = json.loads(raw.partition(":")[2].strip())
+                        message = f"log stream: {said['detail']}"
+                        if said.get("retry"):
+                            raise _StreamCut(reply.status_code, message, opened=True)
+                        raise ApiError(reply.status_code, message)
+            raise _StreamCut(0, "log stream: closed by the server before the job ended", True)
         except httpx.TransportError as exc:
-            raise ApiError(0, f"cannot reach {self.server}: {exc}") from None
+            raise _StreamCut(0, f"cannot reach {self.server}: {exc}", opened) from None
 
     # ------------------------------------------------------------------ the rest
 

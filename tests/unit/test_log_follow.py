@@ -1,6 +1,7 @@
-"""Following a job's logs (server-sent events) ends cleanly when it cannot go on: the API
-key is revoked (in-process, SQLite and PostgreSQL), or `cpn serve` is asked to stop (a real
-process: it exits at once instead of waiting for the stream of a job that never ends)."""
+"""Following a job's logs (server-sent events) ends cleanly when it cannot go on (the API
+key is revoked: in-process, SQLite and PostgreSQL), and goes on where it can: `cpn serve`
+asked to stop exits at once instead of waiting for the stream of a job that never ends,
+and the follower resumes after the last line once the server is back (real processes)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from cpn.client import ApiError, CpnClient
 from cpn.control.settings import ControlSettings
 from cpn.orchestration.tenants import create_key, revoke_key
 from cpn.registry import Registry
+from cpn.registry.models import JobLogLine
 from tests.processes import CPN, Proc, free_port, serve_argv, wait_until, write_tokens
 from tests.service_harness import make_key, tiny_job
 
@@ -50,8 +52,21 @@ def test_a_revoked_key_ends_a_followed_stream(registry: Registry) -> None:
     assert events == [("error", {"detail": "Authorization: this API key was revoked"})]
 
 
-@pytest.mark.timeout(180)
-def test_serve_stops_at_once_while_a_log_is_followed(tmp_path: Path) -> None:
+def _add_line(db_url: str, job_id: str, line: str) -> None:
+    registry = Registry(db_url)
+    try:
+        with registry.write() as s:
+            s.add(JobLogLine(job_id=job_id, rank=0, line=line))
+    finally:
+        registry.dispose()
+
+
+@pytest.mark.timeout(240)
+def test_serve_stops_at_once_and_a_followed_log_resumes_after_a_restart(tmp_path: Path) -> None:
+    """`cpn serve` asked to stop exits at once though a log is followed (it does not wait
+    for the stream of a job that never ends); the follower, told "follow again", follows
+    again once the server is back, from the line after the last it got: no line lost,
+    none twice. A client with less patience than the outage says why it gave up."""
     db_url = f"sqlite:///{tmp_path}/cpn.db"
     subprocess.run(
         [*CPN, "db", "upgrade", "--database-url", db_url],
@@ -60,34 +75,62 @@ def test_serve_stops_at_once_while_a_log_is_followed(tmp_path: Path) -> None:
         timeout=120,
     )
     key = make_key(db_url, "t")
-    http_port = free_port()
+    http_port, grpc_port = free_port(), free_port()
     tokens = write_tokens(tmp_path / "tokens.yaml")
-    serve = Proc(serve_argv(db_url, tokens, free_port(), http_port), tmp_path / "serve.log")
-    try:
-        url = f"http://127.0.0.1:{http_port}"
+    argv = serve_argv(db_url, tokens, grpc_port, http_port)
+    url = f"http://127.0.0.1:{http_port}"
+
+    def ready(proc: Proc) -> None:
         wait_until(
-            lambda: httpx.get(f"{url}/readyz", timeout=2).status_code == 200, 60, "ready", serve
+            lambda: httpx.get(f"{url}/readyz", timeout=2).status_code == 200, 60, "ready", proc
         )
-        with CpnClient(url, key) as client:
+
+    serve = Proc(argv, tmp_path / "serve.log")
+    again: Proc | None = None
+    try:
+        ready(serve)
+        with (
+            CpnClient(url, key, read_patience=120) as client,
+            CpnClient(url, key, read_patience=0.5) as hasty,
+        ):
             job_id = client.submit(tiny_job("no-agents")).id  # no site: it waits forever
-            outcome: list[BaseException | None] = []
+            got: list[str] = []
+            outcome: dict[str, BaseException | None] = {}
 
-            def follow() -> None:
+            def follow(name: str, who: CpnClient) -> None:
                 try:
-                    list(client.follow_logs(job_id))
-                    outcome.append(None)
+                    for line in who.follow_logs(job_id):
+                        if name == "patient":
+                            got.append(line.line)
+                    outcome[name] = None
                 except ApiError as exc:
-                    outcome.append(exc)
+                    outcome[name] = exc
 
-            follower = threading.Thread(target=follow, daemon=True)
-            follower.start()
-            time.sleep(1.0)  # the stream is open and polling
+            followers = [
+                threading.Thread(target=follow, args=(n, c), daemon=True)
+                for n, c in (("patient", client), ("hasty", hasty))
+            ]
+            for f in followers:
+                f.start()
+            _add_line(db_url, job_id, "before")
+            wait_until(lambda: got == ["before"], 30, "the first line followed", serve)
             started = time.monotonic()
             assert serve.stop(signal.SIGTERM, timeout=60) == 0
             took = time.monotonic() - started
-            follower.join(10)
-        assert took < 10, f"cpn serve took {took:.1f} s to stop"
-        assert len(outcome) == 1 and isinstance(outcome[0], ApiError)
-        assert "shutting down" in str(outcome[0])
+            assert took < 10, f"cpn serve took {took:.1f} s to stop"
+            followers[1].join(30)
+            hasty_end = outcome.get("hasty")
+            assert isinstance(hasty_end, ApiError), outcome
+            _add_line(db_url, job_id, "while it was down")
+            again = Proc(argv, tmp_path / "serve-again.log")
+            ready(again)
+            wait_until(lambda: len(got) == 2, 60, "the follower to resume", again)
+            client.cancel(job_id)  # the job ends: so does the stream, cleanly
+            followers[0].join(30)
+        assert got == ["before", "while it was down"]
+        assert outcome["patient"] is None
+        assert "cannot reach" in str(hasty_end) or "shutting down" in str(hasty_end)
     finally:
         serve.stop(signal.SIGKILL)
+        if again is not None:
+            again.stop(signal.SIGKILL)
