@@ -1,17 +1,15 @@
 """The `slurm` backend: a site's shards as one Slurm batch job, through the Slurm CLI.
 
 One `sbatch` per (job, epoch): `--nodes` and `--nodelist` (the plan's nodes: pipeline
-stages land where the plan put them), one task per GPU laid out on the nodes by
-`SLURM_HOSTFILE` (`--distribution=arbitrary --gpus-per-task=1`: each node gets its own
-share, however unequal), a finite `--time`, `--no-requeue` (cpn owns retries and
-re-planning), `--job-name=cpn-JOB-eEPOCH` and `--comment=cpn/JOB/EPOCH/AGENT` (how a
-restarted agent finds its jobs; no spaces or `=`, so that scontrol's `Key=Value` text
-keeps it whole). The batch script runs one `srun` step with a task per node, holding its
-node's GPUs; each node picks its own `cpn launch` command by its Slurm node name
-(`$SLURMD_NODENAME`), so node rank k is the plan's node k whatever order Slurm lists them
-in. The launcher of node rank 0 serves the rendezvous on its `NodeAddr`; when the launch
-is this site's alone it picks a free port there at start and the other nodes read it
-from the run directory, so launches sharing a host never clash.
+stages land where the plan put them), `--ntasks-per-node=1`, `--gres=gpu:N`, a finite
+`--time`, `--no-requeue` (cpn owns retries and re-planning), `--job-name=cpn-JOB-eEPOCH`
+and `--comment=cpn/JOB/EPOCH/AGENT` (how a restarted agent finds its jobs; no spaces or
+`=`, so that scontrol's `Key=Value` text keeps it whole).
+The batch script runs `srun` once per node; each node picks its own `cpn launch` command
+by its Slurm node name (`$SLURMD_NODENAME`), so node rank k is the plan's node k whatever
+order Slurm lists them in. The launcher of node rank 0 serves the rendezvous on its
+`NodeAddr`; when the launch is this site's alone it picks a free port there at start and
+the other nodes read it from the run directory, so launches sharing a host never clash.
 
 States come from `squeue --me --json -t all` (22.05's string `job_state` and 23.02+'s list
 both read), then `scontrol -o show job`, then the job-completion log — never from `sacct`,
@@ -158,13 +156,7 @@ class SlurmBackend:
     _partition: dict[str, str] = field(default_factory=dict)  # scontrol's fields
 
     # ------------------------------------------------------------------ the CLI
-    async def _run(
-        self,
-        *argv: str,
-        stdin: str | None = None,
-        check: bool = True,
-        env: dict[str, str] | None = None,
-    ) -> str:
+    async def _run(self, *argv: str, stdin: str | None = None, check: bool = True) -> str:
         if shutil.which(argv[0]) is None:
             raise BackendError(f"slurm: {argv[0]} is not on the PATH (install slurm-client)")
         try:
@@ -173,7 +165,6 @@ class SlurmBackend:
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                env={**os.environ, **env} if env else None,
             )
         except OSError as exc:
             raise BackendError(f"slurm: cannot run {argv[0]}: {exc.strerror or exc}") from None
@@ -314,13 +305,8 @@ class SlurmBackend:
                 f"slurm: the launch wants {spec.gpus_per_node} GPUs on {node.name}, which has "
                 f"{node.gpus} (partition {self.options.partition!r})"
             )
-        if spec.gpus_per_node and not all(n.gpus for n in spec.nodes):
-            raise BackendError("slurm: a launch with GPUs on some nodes only is not supported")
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         script = self._write_scripts(spec)
-        tasks = [n.node for n in spec.nodes for _ in (n.gpus or n.ranks)]
-        hostfile = spec.run_dir / f"hosts-e{spec.epoch}"
-        hostfile.write_text("\n".join(tasks) + "\n")
         argv = [
             "sbatch", "--parsable",
             f"--job-name={spec.key}",
@@ -328,11 +314,7 @@ class SlurmBackend:
             f"--partition={self.options.partition}",
             f"--nodes={len(spec.nodes)}",
             f"--nodelist={','.join(n.node for n in spec.nodes)}",
-            # One Slurm task per GPU (per rank without GPUs), laid out by SLURM_HOSTFILE:
-            # each node gets exactly its share's GPUs and a CPU per task. --gres asks the
-            # same count on every node, so unequal shares held idle GPUs or waited.
-            f"--ntasks={len(tasks)}",
-            "--distribution=arbitrary",
+            "--ntasks-per-node=1",
             f"--time={max(1, math.ceil(spec.time_limit_s / 60))}",
             # SIGUSR2 to the steps' processes this long before the time limit (Slurm may
             # send it up to a minute early), and at preemption where the site has
@@ -344,11 +326,11 @@ class SlurmBackend:
             "--export=ALL",
         ]  # fmt: skip
         if spec.gpus_per_node:
-            argv.append("--gpus-per-task=1")
+            argv.append(f"--gres=gpu:{spec.gpus_per_node}")
         if self.options.account:
             argv.append(f"--account={self.options.account}")
         argv += [*self.options.extra_args, str(script)]
-        out = await self._run(*argv, env={"SLURM_HOSTFILE": str(hostfile)})
+        out = await self._run(*argv)
         job_id = out.strip().split(";")[0]
         if not job_id.isdigit():
             raise BackendError(f"slurm: sbatch printed {out.strip()!r:.80}, not a job id")
@@ -400,20 +382,11 @@ class SlurmBackend:
             'mkdir -p "$DIR"\n'
             'exec "${CMD[@]}" > "$DIR/launcher.log" 2>&1\n'
         )
-        # One step, one task per node, holding all the job's GPUs and CPUs on its node:
-        # the allocation's per-task layout (hostfile, GPUs and CPUs per task) must not
-        # reach srun, which reads them from the environment; --gpus is every GPU of the
-        # job, so each node's task gets exactly that node's.
-        gpus = sum(len(n.gpus) for n in spec.nodes)
         batch_sh = (
             "#!/bin/bash\n"
             "# cpn: one launch of a job's shards on this site (see node.sh).\n"
-            "unset SLURM_HOSTFILE SLURM_DISTRIBUTION SLURM_GPUS_PER_TASK SLURM_TRES_PER_TASK "
-            "SLURM_CPUS_PER_TASK SLURM_NTASKS SLURM_NPROCS\n"
-            f"exec srun --kill-on-bad-exit=1 --nodes={len(spec.nodes)} "
-            f"--ntasks={len(spec.nodes)} --ntasks-per-node=1 --distribution=block "
-            + (f"--gpus={gpus} " if gpus else "")
-            + f"bash {shlex.quote(str(run / 'node.sh'))}\n"
+            "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 "
+            f"bash {shlex.quote(str(run / 'node.sh'))}\n"
         )
         (run / "node.sh").write_text(node_sh)
         (run / "batch.sh").write_text(batch_sh)

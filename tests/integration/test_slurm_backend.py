@@ -128,64 +128,6 @@ def test_nodes_by_name_ports_apart_and_an_idempotent_submit(
         asyncio.run(backend.cancel(handle, 2))
 
 
-def test_unequal_shares_get_their_own_gpus_per_node(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """Two ranks on node3, one on node4, whose other GPU a job outside cpn holds: each
-    node is allocated its own share. `--gres=gpu:2` on every node (the launch's largest
-    share) kept this launch pending until the other job ended (outside review)."""
-    other = slurm.run(
-        "sbatch", "--parsable", "--partition=cpn", "--nodelist=node4", "--gres=gpu:1",
-        "--time=5", "--output=/dev/null", "--wrap", "sleep 120",
-    ).strip()  # fmt: skip
-    backend = _backend()
-    try:
-        show = (
-            'echo "$1 $SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES cpus=$SLURM_CPUS_ON_NODE"; '
-            "sleep 60"
-        )
-        nodes = (NodeShare("node3", (0, 1), (0, 1)), NodeShare("node4", (2,), (0,)))
-        spec = LaunchSpec(
-            job_id="j-unequal",
-            nodes=nodes,
-            commands=tuple(("bash", "-c", show, "node", str(k)) for k in range(2)),
-            run_dir=tmp_path / "j-unequal",
-            time_limit_s=600,
-        )
-        handle = asyncio.run(backend.submit(spec))
-        _until(backend, handle, {State.RUNNING}, 30)
-        logs = [backend.logs(handle, k) for k in (0, 1)]
-        deadline = time.monotonic() + 20
-        while not all(p.exists() and p.read_text().strip() for p in logs):
-            assert time.monotonic() < deadline, "the nodes' launcher logs stayed empty"
-            time.sleep(0.2)
-        node3, node4 = (p.read_text().split() for p in logs)
-        assert node3 == ["0", "node3", "gpus=0,1", "cpus=2"]  # a CPU per GPU
-        assert node4[:2] == ["1", "node4"] and len(node4[2].split(",")) == 1, node4
-        assert node4[3] == "cpus=1"
-        asyncio.run(backend.cancel(handle, 2))
-        # The site's own --cpus-per-task (per GPU) reaches the node's task whole.
-        roomy = SlurmBackend(
-            SlurmOptions("cpn", extra_args=("--cpus-per-task=2",)), "site-s", poll_interval_s=0.3
-        )
-        one = LaunchSpec(
-            job_id="j-cpus",
-            nodes=(NodeShare("node2", (0,), (0,)),),
-            commands=(("bash", "-c", show, "node", "0"),),
-            run_dir=tmp_path / "j-cpus",
-            time_limit_s=600,
-        )
-        handle = asyncio.run(roomy.submit(one))
-        _until(roomy, handle, {State.RUNNING}, 30)
-        log = roomy.logs(handle, 0)
-        deadline = time.monotonic() + 20
-        while not (log.exists() and log.read_text().strip()):
-            assert time.monotonic() < deadline, "the node's launcher log stayed empty"
-            time.sleep(0.2)
-        assert log.read_text().split()[2:] == ["gpus=0", "cpus=2"]
-        asyncio.run(roomy.cancel(handle, 2))
-    finally:
-        slurm.run("scancel", other)
-
-
 def test_a_launch_that_succeeds_and_one_that_fails(slurm: SlurmCluster, tmp_path: Path) -> None:
     backend = _backend()
     ok = asyncio.run(backend.submit(_spec(tmp_path, "j-ok", ["node1", "node3"], "exit 0")))
