@@ -168,18 +168,18 @@ def manifests(
     affinity = client.V1Affinity(
         node_affinity=client.V1NodeAffinity(
             required_during_scheduling_ignored_during_execution=client.V1NodeSelector(
+                # By the node's name, as `capacity()` reports it: the hostname label
+                # differs from it on some clusters (cloud node names). The API allows one
+                # value per `metadata.name` requirement, so one term per node (terms OR).
                 node_selector_terms=[
-                    # By the node's name, as `capacity()` reports it: the hostname
-                    # label differs from it on some clusters (cloud node names).
                     client.V1NodeSelectorTerm(
                         match_fields=[
                             client.V1NodeSelectorRequirement(
-                                key="metadata.name",
-                                operator="In",
-                                values=[n.node for n in spec.nodes],
+                                key="metadata.name", operator="In", values=[n.node]
                             )
                         ]
                     )
+                    for n in spec.nodes
                 ]
             )
         ),

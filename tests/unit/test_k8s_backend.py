@@ -93,8 +93,11 @@ def test_manifests_from_typed_models() -> None:
     hosts = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     # By node name (the hostname label differs on some clusters), and the workers' stop
     # grace on the pods, where the kubelet reads it (outside review of stop 26).
+    # The API refuses a `metadata.name` field selector with more than one value (outside
+    # review: a two-value one made every multi-node launch a 422): one term per node.
     assert hosts["nodeSelectorTerms"] == [
-        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-a", "gpu-b"]}]}
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        for node in ("gpu-a", "gpu-b")
     ]
     assert pod["terminationGracePeriodSeconds"] == 46
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "cpn-work"
