@@ -72,19 +72,22 @@ def _message(reply: httpx.Response) -> str:
 class _StreamCut(ApiError):
     """A followed stream ended before the job did, for a reason that may pass."""
 
-    def __init__(self, status: int, message: str, opened: bool) -> None:
+    def __init__(self, status: int, message: str, reached: bool, wait: float = 1.0) -> None:
         super().__init__(status, message)
-        self.opened = opened
+        self.reached = reached  # the server answered (a refused connection did not)
+        self.wait = wait  # seconds before following again
 
 
 def _retry_after(reply: httpx.Response, default: float) -> float:
-    """The server's Retry-After in seconds (the delta form; capped, as a hostile or
-    mistaken header must not stall the client), else `default`."""
+    """The server's Retry-After in seconds (the delta form; kept within 0.5–10 s, as a
+    hostile or mistaken header must neither stall the client nor make it hammer), else
+    `default`."""
     try:
         seconds = float(reply.headers.get("Retry-After", ""))
     except ValueError:
         return default
-    return min(max(seconds, 0.0), 10.0) if math.isfinite(seconds) else default
+    # A floor too: "0" (or less) from a proxy would have the client hammer it.
+    return min(max(seconds, 0.5), 10.0) if math.isfinite(seconds) else default
 
 
 class CpnClient:
@@ -221,27 +224,38 @@ class CpnClient:
     def follow_logs(self, job_id: str, *, rank: int | None = None) -> Iterator[LogLinePublic]:
         """Lines as they come (server-sent events), until the job has ended.
 
-        A stream cut after it was opened — the server restarting or shutting down (it
-        says "follow again"), a proxy's 502–504, a dropped or silent connection — is
-        opened again after the last line received, for up to `read_patience` seconds
-        each time; an answer that is not "not now" (a revoked key, no such job) ends it.
+        Once the server has answered, a stream cut or refused for a reason that may
+        pass — the server restarting or shutting down (it says "follow again"), a 502–504
+        (Retry-After honoured), a dropped or silent connection — is opened again after
+        the last line received, for up to `read_patience` seconds, renewed only by a
+        stream that brought lines or stayed open that long; an answer that is not "not
+        now" (a revoked key, no such job) ends it, as does a server never reached.
         """
-        last, opened, deadline = 0, False, None
+        last, reached, deadline = 0, False, None
         while True:
+            opened_at, fed = None, False
             try:
                 for line in self._follow_once(job_id, rank, last):
-                    opened, deadline = True, None  # None: the stream is open
-                    if line is not None:
-                        last = line.id
+                    reached = True
+                    if line is None:  # the stream is open
+                        opened_at = time.monotonic()
+                    else:
+                        fed, last = True, line.id
                         yield line
                 return
             except _StreamCut as cut:
-                opened = opened or cut.opened
+                reached = reached or cut.reached
                 now = time.monotonic()
+                # Patience is renewed only by a stream that was worth it (it brought
+                # lines, or stayed open a while): one that opens and is cut at once,
+                # again and again, must not be followed for ever.
+                lasted = opened_at is not None and now - opened_at >= self.read_patience
+                if fed or lasted:
+                    deadline = None
                 deadline = deadline if deadline is not None else now + self.read_patience
-                if not opened or now >= deadline:
+                if not reached or now >= deadline:
                     raise ApiError(cut.status, str(cut)) from None
-                time.sleep(min(1.0, deadline - now))
+                time.sleep(min(cut.wait, max(deadline - now, 0.0)))
 
     def _follow_once(
         self, job_id: str, rank: int | None, after: int
@@ -252,18 +266,20 @@ class CpnClient:
             params["rank"] = rank
         # The server pings every 15 s (sse-starlette): a minute of silence is a dead link.
         timeout = httpx.Timeout(self._http.timeout.connect, read=FOLLOW_SILENCE_S)
-        opened = False
+        reached = False  # the server answered this request
         try:
             with self._http.stream(
                 "GET", f"{_job_path(job_id)}/logs", params=params, timeout=timeout
             ) as reply:
-                if reply.status_code in TRANSIENT:
+                if reply.status_code in TRANSIENT:  # an answer: "not now"
                     reply.read()
-                    raise _StreamCut(reply.status_code, _message(reply), opened=False)
+                    raise _StreamCut(
+                        reply.status_code, _message(reply), True, _retry_after(reply, 1.0)
+                    )
                 if not reply.is_success:  # as `_call`: redirects included
                     reply.read()
                     raise ApiError(reply.status_code, _message(reply))
-                opened = True
+                reached = True
                 yield None
                 event = ""
                 for raw in reply.iter_lines():
@@ -277,11 +293,11 @@ class CpnClient:
                         said = json.loads(raw.partition(":")[2].strip())
                         message = f"log stream: {said['detail']}"
                         if said.get("retry"):
-                            raise _StreamCut(reply.status_code, message, opened=True)
+                            raise _StreamCut(reply.status_code, message, True)
                         raise ApiError(reply.status_code, message)
             raise _StreamCut(0, "log stream: closed by the server before the job ended", True)
         except httpx.TransportError as exc:
-            raise _StreamCut(0, f"cannot reach {self.server}: {exc}", opened) from None
+            raise _StreamCut(0, f"cannot reach {self.server}: {exc}", reached) from None
 
     # ------------------------------------------------------------------ the rest
 

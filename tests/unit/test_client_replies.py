@@ -164,8 +164,10 @@ def test_a_read_waits_through_a_transient_503_a_write_does_not(retry_after: str)
         try:
             with CpnClient(url, "key") as client:
                 _Flaky.hits, _Flaky.busy = [], 2
+                began = time.monotonic()
                 assert client.sites() == []
                 assert _Flaky.hits == ["GET"] * 3
+                assert time.monotonic() - began >= 0.9  # at least 0.5 s between tries
                 _Flaky.hits, _Flaky.busy = [], 1
                 with pytest.raises(ApiError) as err:
                     client.submit(tiny_job("once"))
@@ -176,5 +178,57 @@ def test_a_read_waits_through_a_transient_503_a_write_does_not(retry_after: str)
                 with pytest.raises(ApiError, match="database is unavailable") as err:
                     client.sites()
                 assert err.value.status == 503 and time.monotonic() - began < 5
+        finally:
+            httpd.shutdown()
+
+
+class _Stream(SimpleHTTPRequestHandler):
+    """/v1/jobs/j/logs: 503 for the first `busy` requests, then an event stream that is
+    empty (closed at once) or, when `end`, one `end` event. Counts requests."""
+
+    busy = 0
+    end = False
+    hits: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        _Stream.hits.append(self.path)
+        if len(_Stream.hits) <= _Stream.busy:
+            body, status, kind = b'{"detail": "busy"}', 503, "application/json"
+        else:
+            body = b'event: end\ndata: {"state": "succeeded"}\n\n' if _Stream.end else b""
+            status, kind = 200, "text/event-stream"
+        self.send_response(status)
+        if status == 503:
+            self.send_header("Retry-After", "0")
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_a_follow_waits_through_503s_but_not_for_ever_on_streams_cut_at_once() -> None:
+    """Outside review of the resuming follow: a first answer of 503 ended it at once (a
+    GET waits through it), and a server whose streams open and close at once had it
+    reconnect for ever (each open renewed the patience). Retry-After: 0 is taken as 0.5 s:
+    the client must not hammer."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), _Stream) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        try:
+            with CpnClient(url, "key", read_patience=5) as client:
+                _Stream.hits, _Stream.busy, _Stream.end = [], 2, True
+                began = time.monotonic()
+                assert list(client.follow_logs("j")) == []
+                assert len(_Stream.hits) == 3 and time.monotonic() - began >= 0.9
+            with CpnClient(url, "key", read_patience=2) as client:
+                _Stream.hits, _Stream.busy, _Stream.end = [], 0, False
+                began = time.monotonic()
+                with pytest.raises(ApiError, match="closed by the server before the job ended"):
+                    list(client.follow_logs("j"))
+                assert 2 <= time.monotonic() - began < 10 and 2 <= len(_Stream.hits) <= 4
         finally:
             httpd.shutdown()
