@@ -237,13 +237,14 @@ def _prepare_workdir(workdir: Path) -> None:
     An earlier run's database would hold its jobs and sites and its logs would mix with
     this run's: a directory that is not empty is refused rather than half-reused.
     """
-    if workdir.exists():
-        if not workdir.is_dir():
+    try:  # exists() too raises, under a directory this user may not enter
+        there, is_dir = workdir.exists(), workdir.is_dir()
+        earlier = is_dir and any(workdir.iterdir())
+    except OSError as exc:
+        raise InputError(f"--workdir {workdir}: cannot list it ({exc.strerror})") from None
+    if there:
+        if not is_dir:
             raise InputError(f"--workdir {workdir}: not a directory")
-        try:
-            earlier = any(workdir.iterdir())
-        except OSError as exc:
-            raise InputError(f"--workdir {workdir}: cannot list it ({exc.strerror})") from None
         if earlier:
             raise InputError(
                 f"--workdir {workdir}: not empty (an earlier demo's files?); "

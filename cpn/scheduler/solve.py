@@ -469,7 +469,7 @@ def least_of_components(chosen: SolverReport, reports: list[SolverReport]) -> So
     proved it: a component whose solve proved nothing (HEURISTIC, bound 0) leaves the
     gap unknown rather than 100 % "proved by" the chosen component's prover.
     """
-    least = min(reports, key=lambda r: r.bound)
+    least = min(reports, key=lambda r: (r.bound, r.proved_by is None))  # a proof wins ties
     if least.bound >= chosen.bound:
         return chosen
     value = chosen.objective

@@ -78,3 +78,8 @@ def test_a_workdir_that_cannot_be_listed_is_one_line(
     with pytest.raises(InputError) as err:
         _prepare_workdir(work)
     assert str(err.value) == f"--workdir {work}: cannot list it (Permission denied)"
+    # Under a directory the user may not enter, exists() itself raises (outside review).
+    monkeypatch.setattr(Path, "exists", refuse)
+    with pytest.raises(InputError) as err:
+        _prepare_workdir(work / "x")
+    assert str(err.value) == f"--workdir {work}/x: cannot list it (Permission denied)"

@@ -282,3 +282,7 @@ def test_split_components_report_the_least_bound_with_its_own_prover() -> None:
     )  # fmt: skip
     assert "gap 25.0%" in solver_line(combined) and "(proved by: CP-SAT)" in solver_line(combined)
     assert least_of_components(chosen, [chosen, report("OPTIMAL", 2.1, 2.1, "CP-SAT")]) is chosen
+    # A bound proved by one component and met without proof by another is still proved.
+    tied = report("HEURISTIC", 3.0, 1.5, None)
+    combined = least_of_components(chosen, [tied, by_solver, chosen])
+    assert (combined.bound, combined.proved_by) == (1.5, "CP-SAT")
