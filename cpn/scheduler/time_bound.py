@@ -48,6 +48,11 @@ from cpn.scheduler.time_flows import hop_coefficients, pair_costs
 
 #: Relative margin taken off the bound for floating-point rounding.
 FLOAT_MARGIN = 1e-9
+#: Max-clique searches one bound may make for the clique floor (`_clique_floor`): a count,
+#: not a clock, so the bound is the same on any machine. The homogeneous 64-site bench
+#: instances need 11 at most (0.3 s); on the heterogeneous ones, where a pair's rank changes with k,
+#: the searches never lifted the floor (a cap of 2 094 searches, 50 s, measured).
+CLIQUE_SEARCHES = 24
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,78 @@ class TimeBound:
     compute: float  # the least slowest compute per micro-batch any placement has
     sites_per_stage: float = 0.0  # (C): sync against crossings, by sites per stage
     shared_sync: float = 0.0  # (S): the sync every placement pays, stages sharing slots
+
+
+def _largest_cliques(
+    near: npt.NDArray[np.bool_], room: npt.NDArray[np.int64], equal_rooms: bool
+) -> tuple[int, int]:
+    """(most sites, most room) of any clique of the graph `near` (diagonal ignored).
+
+    networkx's exact branch and bound: on these graphs (≤ a few hundred sites, the pairs
+    within one cost) it takes milliseconds; `CLIQUE_SEARCHES` caps how many are made."""
+    graph = nx.Graph()
+    graph.add_nodes_from(range(len(room)))
+    rows, cols = np.nonzero(np.triu(near, 1))
+    graph.add_edges_from(zip(rows.tolist(), cols.tolist(), strict=True))
+    _, size = nx.max_weight_clique(graph, weight=None)
+    if equal_rooms:
+        return int(size), int(size * room[0]) if len(room) else 0
+    for i, r in enumerate(room.tolist()):
+        graph.nodes[i]["room"] = int(r)
+    _, most = nx.max_weight_clique(graph, weight="room")
+    return int(size), int(most)
+
+
+def _clique_floor(
+    cost: npt.NDArray[np.float64],
+    room: npt.NDArray[np.int64],
+    k: int,
+    need: int,
+    start: float,
+    searches: list[int],
+    seen: dict[bytes, tuple[int, int]] | None = None,
+) -> float:
+    """A floor on the slowest pair of any k sites holding `need`, at least `start`.
+
+    The WAN phase of a stage is its slowest pair among *all* its sites' pairs
+    (`costmodel.evaluate`), so its k sites are pairwise within that cost c: a clique of
+    the graph of pairs costing ≤ c, with k sites and room ≥ `need`. The least pair cost
+    at which the graph has a clique of k sites and one of room ≥ `need` (both necessary)
+    is a floor; it only grows with c, so a galloping then binary search over the costs
+    from `start` (a floor already proved) finds it. `searches` counts the clique
+    searches left; when they run out the search stops, and the least cost not yet shown
+    too small is still a floor (every cost below it was). `seen` keeps the answers per
+    graph and rooms: stages and k of the same costs meet the same graphs, searched once."""
+    values = np.unique(cost[np.isfinite(cost)])
+    values = values[values >= start]
+    equal = len(set(room.tolist())) <= 1
+
+    known = {} if seen is None else seen
+
+    def holds(c: float) -> bool:
+        near = cost <= c
+        key = np.packbits(near).tobytes() + room.tobytes()
+        if key not in known:
+            searches[0] -= 1
+            known[key] = _largest_cliques(near, room, equal)
+        size, most = known[key]
+        return size >= k and most >= need
+
+    lo, hi = 0, len(values) - 1
+    step = 1  # gallop: the answer is usually a few values above `start`
+    while lo + step - 1 < hi and searches[0] > 0 and not holds(float(values[lo + step - 1])):
+        lo, step = lo + step, step * 2
+    found = None
+    hi = min(hi, lo + step - 1)  # values[lo + step − 1] holds, unless searches ran out
+    while lo <= hi and searches[0] > 0:
+        mid = (lo + hi) // 2
+        if holds(float(values[mid])):
+            found, hi = float(values[mid]), mid - 1
+        else:
+            lo = mid + 1
+    if lo > hi:  # searched to the end: the least that holds, or none does
+        return max(start, found) if found is not None else math.inf
+    return max(start, float(values[lo])) if lo < len(values) else math.inf
 
 
 def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
@@ -175,10 +252,23 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         star_cache[key] = ecc
         return ecc
 
+    clique_cache: dict[tuple[float, int, tuple[int, ...], tuple[int, ...], int], float] = {}
+    searches = [CLIQUE_SEARCHES]
+    cliques_seen: dict[bytes, tuple[int, int]] = {}
+
     def wan(p: int, k: int) -> float:
-        """Least slowest pair of any k sites of stage p that can hold its dp replicas."""
+        """Least slowest pair of any k sites of stage p that can hold its dp replicas:
+        the star floor, raised by the clique floor (the star sees a site's partners,
+        not that they must also be close to each other)."""
         ecc = star(p, k)
-        return float(ecc.min()) if ecc.size else math.inf
+        floor = float(ecc.min()) if ecc.size else math.inf
+        if k < 3 or not math.isfinite(floor):  # two sites: the star is the pair
+            return floor
+        key = star_key(p, k)
+        if key not in clique_cache:
+            cost, room = pair_cost(p, k)
+            clique_cache[key] = _clique_floor(cost, room, k, dp, floor, searches, cliques_seen)
+        return clique_cache[key]
 
     def sync(p: int, k: int) -> float:
         """Least sync of stage p over exactly k sites."""
