@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from api.job_schemas import (
     EventPublic,
@@ -67,6 +67,13 @@ def _message(reply: httpx.Response) -> str:
         if isinstance(body.get("detail"), str):
             return str(body["detail"])
     return f"HTTP {reply.status_code}: {json.dumps(body)[:200]}"
+
+
+class _StreamError(BaseModel):
+    """The data of a log stream's `error` event (api/routes/jobs.py)."""
+
+    detail: str
+    retry: bool = False
 
 
 class _StreamCut(ApiError):
@@ -286,18 +293,29 @@ class CpnClient:
                     if raw.startswith("event:"):
                         event = raw.partition(":")[2].strip()
                     elif raw.startswith("data:") and event == "line":
-                        yield LogLinePublic.model_validate_json(raw.partition(":")[2].strip())
+                        yield self._event(LogLinePublic, raw)
                     elif raw.startswith("data:") and event == "end":
                         return
                     elif raw.startswith("data:") and event == "error":
-                        said = json.loads(raw.partition(":")[2].strip())
-                        message = f"log stream: {said['detail']}"
-                        if said.get("retry"):
+                        said = self._event(_StreamError, raw)
+                        message = f"log stream: {said.detail}"
+                        if said.retry:
                             raise _StreamCut(reply.status_code, message, True)
                         raise ApiError(reply.status_code, message)
             raise _StreamCut(0, "log stream: closed by the server before the job ended", True)
         except httpx.TransportError as exc:
             raise _StreamCut(0, f"cannot reach {self.server}: {exc}", reached) from None
+
+    def _event(self, shape: type[T], raw: str) -> T:
+        """An event's data read as `shape`; data that does not fit is an ApiError, as
+        for any reply (`_get`), not a traceback."""
+        try:
+            return TypeAdapter(shape).validate_json(raw.partition(":")[2].strip())
+        except ValidationError as exc:
+            why = exc.errors()[0]["msg"]
+            raise ApiError(
+                0, f"log stream: unexpected event ({why}); is {self.server} cpn?"
+            ) from None
 
     # ------------------------------------------------------------------ the rest
 

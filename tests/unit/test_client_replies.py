@@ -8,8 +8,9 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
@@ -98,49 +99,55 @@ def test_every_step_of_a_job_however_many(api_url: tuple[str, str], registry: Re
         assert series.job_id == job_id
 
 
+@contextmanager
+def _serving(handler: Callable[..., BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A plain HTTP server (not cpn's) answering with `handler`, on a free port."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        finally:
+            httpd.shutdown()
+
+
 def test_a_server_that_is_not_cpn_is_named(tmp_path: Path) -> None:
     (tmp_path / "v1" / "jobs").mkdir(parents=True)
     (tmp_path / "v1" / "jobs" / "html").write_text("<html>hello</html>")
     (tmp_path / "v1" / "jobs" / "shape").write_text('{"unexpected": 1}')
     (tmp_path / "v1" / "jobs" / "dir").mkdir()  # http.server redirects to dir/
     handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
-    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as httpd:
-        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        try:
-            with CpnClient(url, "key") as client:
-                with pytest.raises(ApiError, match=r"GET /v1/jobs/html: the reply is not JSON"):
-                    client.job("html")
-                with pytest.raises(ApiError, match=r"GET /v1/jobs/shape: unexpected reply \("):
-                    client.job("shape")
-                with pytest.raises(ApiError) as err:
-                    client.job("dir")
-                assert err.value.status == 301
-                with pytest.raises(ApiError) as err:
-                    client.job("missing")
-                assert err.value.status == 404 and str(err.value).startswith("HTTP 404: ")
-        finally:
-            httpd.shutdown()
+    with _serving(handler) as url, CpnClient(url, "key") as client:
+        with pytest.raises(ApiError, match=r"GET /v1/jobs/html: the reply is not JSON"):
+            client.job("html")
+        with pytest.raises(ApiError, match=r"GET /v1/jobs/shape: unexpected reply \("):
+            client.job("shape")
+        with pytest.raises(ApiError) as err:
+            client.job("dir")
+        assert err.value.status == 301
+        with pytest.raises(ApiError) as err:
+            client.job("missing")
+        assert err.value.status == 404 and str(err.value).startswith("HTTP 404: ")
 
 
-class _Flaky(SimpleHTTPRequestHandler):
-    """Answers 503 (Retry-After as the class says) `busy` times, then `[]`; counts hits."""
+class _Canned(BaseHTTPRequestHandler):
+    """Counts requests in `hits`; answers 503 (with `retry_after`) to the first `busy`,
+    then 200 with `body` of type `kind`."""
 
-    busy = 2
+    busy = 0
     retry_after = "0"
+    body = b"[]"
+    kind = "application/json"
     hits: ClassVar[list[str]] = []
 
     def _answer(self) -> None:
-        _Flaky.hits.append(self.command)
-        if len(_Flaky.hits) <= _Flaky.busy:
-            body, status = b'{"detail": "the registry\'s database is unavailable; retry"}', 503
-        else:
-            body, status = b"[]", 200
-        self.send_response(status)
-        if status == 503:
-            self.send_header("Retry-After", _Flaky.retry_after)
-        self.send_header("Content-Type", "application/json")
+        cls = type(self)
+        cls.hits.append(self.command)
+        busy = len(cls.hits) <= cls.busy
+        body = b'{"detail": "the registry\'s database is unavailable; retry"}' if busy else cls.body
+        self.send_response(503 if busy else 200)
+        if busy:
+            self.send_header("Retry-After", cls.retry_after)
+        self.send_header("Content-Type", "application/json" if busy else cls.kind)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -151,62 +158,38 @@ class _Flaky(SimpleHTTPRequestHandler):
         pass
 
 
+class _Flaky(_Canned):
+    hits: ClassVar[list[str]] = []
+
+
 @pytest.mark.parametrize("retry_after", ["0", "nan", "soon", "-5"])
 def test_a_read_waits_through_a_transient_503_a_write_does_not(retry_after: str) -> None:
     """One 503 while the database fails over ended `cpn jobs watch` and a running demo
     (outside review); reads now retry within their patience, writes never (a repeated
     POST could submit twice), and a server still busy past it is one ApiError."""
     _Flaky.retry_after = retry_after
-    with ThreadingHTTPServer(("127.0.0.1", 0), _Flaky) as httpd:
-        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        try:
-            with CpnClient(url, "key") as client:
-                _Flaky.hits, _Flaky.busy = [], 2
-                began = time.monotonic()
-                assert client.sites() == []
-                assert _Flaky.hits == ["GET"] * 3
-                assert time.monotonic() - began >= 0.9  # at least 0.5 s between tries
-                _Flaky.hits, _Flaky.busy = [], 1
-                with pytest.raises(ApiError) as err:
-                    client.submit(tiny_job("once"))
-                assert err.value.status == 503 and _Flaky.hits == ["POST"]
-            with CpnClient(url, "key", read_patience=0.2) as client:
-                _Flaky.hits, _Flaky.busy = [], 10**6
-                began = time.monotonic()
-                with pytest.raises(ApiError, match="database is unavailable") as err:
-                    client.sites()
-                assert err.value.status == 503 and time.monotonic() - began < 5
-        finally:
-            httpd.shutdown()
+    with _serving(_Flaky) as url:
+        with CpnClient(url, "key") as client:
+            _Flaky.hits, _Flaky.busy = [], 2
+            began = time.monotonic()
+            assert client.sites() == []
+            assert _Flaky.hits == ["GET"] * 3
+            assert time.monotonic() - began >= 0.9  # at least 0.5 s between tries
+            _Flaky.hits, _Flaky.busy = [], 1
+            with pytest.raises(ApiError) as err:
+                client.submit(tiny_job("once"))
+            assert err.value.status == 503 and _Flaky.hits == ["POST"]
+        with CpnClient(url, "key", read_patience=0.2) as client:
+            _Flaky.hits, _Flaky.busy = [], 10**6
+            began = time.monotonic()
+            with pytest.raises(ApiError, match="database is unavailable") as err:
+                client.sites()
+            assert err.value.status == 503 and time.monotonic() - began < 5
 
 
-class _Stream(SimpleHTTPRequestHandler):
-    """/v1/jobs/j/logs: 503 for the first `busy` requests, then an event stream that is
-    empty (closed at once) or, when `end`, one `end` event. Counts requests."""
-
-    busy = 0
-    end = False
+class _Stream(_Canned):
+    kind = "text/event-stream"
     hits: ClassVar[list[str]] = []
-
-    def do_GET(self) -> None:
-        _Stream.hits.append(self.path)
-        if len(_Stream.hits) <= _Stream.busy:
-            body, status, kind = b'{"detail": "busy"}', 503, "application/json"
-        else:
-            body = b'event: end\ndata: {"state": "succeeded"}\n\n' if _Stream.end else b""
-            status, kind = 200, "text/event-stream"
-        self.send_response(status)
-        if status == 503:
-            self.send_header("Retry-After", "0")
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: object) -> None:
-        pass
 
 
 def test_a_follow_waits_through_503s_but_not_for_ever_on_streams_cut_at_once() -> None:
@@ -214,21 +197,38 @@ def test_a_follow_waits_through_503s_but_not_for_ever_on_streams_cut_at_once() -
     GET waits through it), and a server whose streams open and close at once had it
     reconnect for ever (each open renewed the patience). Retry-After: 0 is taken as 0.5 s:
     the client must not hammer."""
-    with ThreadingHTTPServer(("127.0.0.1", 0), _Stream) as httpd:
-        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        try:
-            with CpnClient(url, "key", read_patience=5) as client:
-                _Stream.hits, _Stream.busy, _Stream.end = [], 2, True
-                began = time.monotonic()
-                assert list(client.follow_logs("j")) == []
-                assert len(_Stream.hits) == 3 and time.monotonic() - began >= 0.9
-            with CpnClient(url, "key", read_patience=2) as client:
-                _Stream.hits, _Stream.busy, _Stream.end = [], 0, False
-                began = time.monotonic()
-                with pytest.raises(ApiError, match="closed by the server before the job ended"):
-                    list(client.follow_logs("j"))
-                assert 2 <= time.monotonic() - began < 10 and 2 <= len(_Stream.hits) <= 4
-        finally:
-            httpd.shutdown()
+    with _serving(_Stream) as url:
+        with CpnClient(url, "key", read_patience=5) as client:
+            _Stream.hits, _Stream.busy = [], 2
+            _Stream.body = b'event: end\ndata: {"state": "succeeded"}\n\n'
+            began = time.monotonic()
+            assert list(client.follow_logs("j")) == []
+            assert len(_Stream.hits) == 3 and time.monotonic() - began >= 0.9
+        with CpnClient(url, "key", read_patience=2) as client:
+            _Stream.hits, _Stream.busy, _Stream.body = [], 0, b""
+            began = time.monotonic()
+            with pytest.raises(ApiError, match="closed by the server before the job ended"):
+                list(client.follow_logs("j"))
+            assert 2 <= time.monotonic() - began < 10 and 2 <= len(_Stream.hits) <= 4
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b"event: line\ndata: {not json\n\n",
+        b'event: line\ndata: {"id": "x"}\n\n',
+        b"event: error\ndata: [1]\n\n",
+        b'event: error\ndata: {"detail": 3, "retry": "maybe"}\n\n',
+        b"event: error\ndata: \xff\xfe\n\n",
+    ],
+)
+def test_a_stream_event_that_is_not_cpns_is_one_error(event: bytes) -> None:
+    """A log stream's data that does not decode or fit (a server that is not cpn, or
+    another version) is an ApiError naming it, as for any reply, not a traceback."""
+    _Stream.hits, _Stream.busy, _Stream.body = [], 0, event
+    with (
+        _serving(_Stream) as url,
+        CpnClient(url, "key") as client,
+        pytest.raises(ApiError, match=r"log stream: unexpected event \(.*is http"),
+    ):
+        list(client.follow_logs("j"))
