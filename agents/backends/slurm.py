@@ -208,19 +208,20 @@ class SlurmBackend:
         """A --time above the partition's MaxTime keeps every launch pending for ever
         (PartitionTimeLimit), each then failed: refused at start, in one line."""
         wanted = self.options.time_limit_s
-        max_time = self._partition.get("MaxTime", "UNLIMITED")
         if wanted is None:
             return
+        max_time = self._partition.get("MaxTime", "UNLIMITED")
         try:
             most = slurm_minutes(max_time)
         except SlurmOutputError as exc:
             log.info("partition %s: MaxTime not checked (%s)", self.options.partition, exc)
             return
         if most is not None and math.ceil(wanted / 60) > most:
+            fits = math.floor(most * 60)
+            hint = f"pass --time-limit {fits} or less" if fits >= 60 else "no launch fits"
             raise BackendError(
                 f"slurm: partition {self.options.partition!r} allows {max_time} "
-                f"(MaxTime) per job, but launches would ask for {wanted} s; pass "
-                f"--time-limit {math.floor(most * 60)} or less"
+                f"(MaxTime) per job, but launches would ask for {wanted} s; {hint}"
             )
 
     async def capacity(self) -> Capacity:

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.backends import State
-from agents.backends.slurm import SLURM_STATES, slurm_status
+from agents.backends import BackendError, State
+from agents.backends.slurm import SLURM_STATES, SlurmBackend, SlurmOptions, slurm_status
 from agents.backends.slurm_parse import (
     SlurmJob,
     SlurmOutputError,
@@ -246,3 +246,22 @@ def test_no_time_limit(text: str) -> None:
 def test_a_duration_slurm_never_prints_is_an_error(text: str) -> None:
     with pytest.raises(SlurmOutputError, match="not a Slurm duration"):
         slurm_minutes(text)
+
+
+@pytest.mark.parametrize(
+    ("max_time", "wanted", "said"),
+    [
+        ("00:01:00", 61, "pass --time-limit 60 or less"),
+        ("1-00:00:00", 86401, "pass --time-limit 86400 or less"),
+        ("00:00:00", 60, "no launch fits"),  # the agent's least --time-limit is 60 s
+    ],
+)
+def test_a_time_limit_above_the_partitions_max_time_says_what_fits(
+    max_time: str, wanted: int, said: str
+) -> None:
+    backend = SlurmBackend(SlurmOptions("p", time_limit_s=wanted), "agent")
+    backend._partition = {"PartitionName": "p", "MaxTime": max_time}
+    with pytest.raises(BackendError, match=f"allows {max_time} \\(MaxTime\\).*; {said}$"):
+        backend._check_time_limit()
+    backend._partition["MaxTime"] = "UNLIMITED"
+    backend._check_time_limit()  # no limit: nothing to refuse
