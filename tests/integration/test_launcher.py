@@ -171,3 +171,36 @@ def test_sigusr2_asks_for_a_checkpoint_and_the_launch_goes_on(tmp_path: Path) ->
     done = _complete_steps(store)
     assert len(done) == 3 and done[0] == first and done[-1] == steps, done
     assert 0 < first < done[1] < steps
+
+
+def _environment_seen(rank: int, world: int) -> tuple[int, int, str, str, str]:
+    return (
+        rank,
+        world,
+        os.environ["RANK"],
+        os.environ["CPN_PLAN_RANKS"],
+        os.environ.get("OMP_NUM_THREADS", ""),
+    )
+
+
+def _fails_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise RuntimeError("rank one refuses")
+    return rank
+
+
+def test_function_workers_see_their_own_call_s_world_and_report_what_they_raise(
+    tmp_path: Path,
+) -> None:
+    # The fork server starts with the first call and is reused: a later call with another
+    # world must not see the first call's variables.
+    from cpn.train.launcher import WorkerFailed, run_function  # noqa: PLC0415
+
+    for world in (3, 2):
+        seen = run_function(_environment_seen, world, run_dir=tmp_path / f"w{world}")
+        ranks = ",".join(str(r) for r in range(world))
+        threads = os.environ.get("OMP_NUM_THREADS", "1")  # the launcher's default
+        assert seen == [(r, world, str(r), ranks, threads) for r in range(world)]
+    with pytest.raises(WorkerFailed, match="RuntimeError: rank one refuses") as failed:
+        run_function(_fails_on_rank_one, 2, run_dir=tmp_path / "fails")
+    assert [f.rank for f in failed.value.failures] == [1]
