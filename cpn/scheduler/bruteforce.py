@@ -19,9 +19,12 @@ MAX_PLACEMENTS = 200_000
 
 
 def brute_force(
-    inst: Instance, key: Callable[[Evaluation], tuple[float, ...]]
+    inst: Instance,
+    key: Callable[[Evaluation], tuple[float, ...]],
+    admit: Callable[[list[ShardPlacement]], bool] | None = None,
 ) -> tuple[list[ShardPlacement], Evaluation] | None:
-    """The placement minimising `key(evaluation)`, or None if none exists."""
+    """The placement minimising `key(evaluation)` among those `admit` accepts (all by
+    default), or None if none exists."""
     tp = inst.workload.tp
     nodes = [(g.index, g.site, n.name, n.free_gpus) for g in inst.groups for n in g.nodes]
     shards = [(r, p) for r in range(inst.dp) for p in range(inst.pp)]
@@ -45,6 +48,8 @@ def brute_force(
         nonlocal best
         if depth == len(shards):
             placed = place()
+            if admit is not None and not admit(placed):
+                return
             ev = evaluate_shards(inst, placed)
             score = key(ev)
             if best is None or score < best[0]:

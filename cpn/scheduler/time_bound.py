@@ -8,9 +8,10 @@ apart, because they trade slot against sync:
 
   (A) no replica crosses the WAN between stages. Then every site holds whole replicas,
       so all stages sit on the same K sites, K at least the fewest sites whose
-      whole-replica room covers dp; the sync of every stage spans K sites, and some site
-      carries ⌈dp / K⌉ replicas' activations through its fabric. Bound: the least over
-      such K of (m + pp − 1)·S_A(K) + max_p D_p(K).
+      whole-replica room covers dp; the sync of every stage spans K sites whose
+      whole-replica rooms hold dp, and some site carries ⌈dp / K⌉ replicas' activations
+      through its fabric. Bound: the least over such K of (m + pp − 1)·S_A(K) +
+      max_p D_p(K).
   (B) some replica crosses. Then some boundary pays at least the cheapest WAN hop of one
       replica, and each stage's sync is at least its least over the k it can have.
 
@@ -197,21 +198,38 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
 
     hosts_of = [tuple(i for i, s in enumerate(sites) if caps[(p, s)] > 0) for p in range(pp)]
     best_fabric = max(fabric.values())
+    # Whole replicas a site can hold (every stage of each at the site, memory fit
+    # included): what the sites of a crossing-free placement hold (part A).
+    whole_room: dict[str, int] = {}
+    for cls in site_classes(inst):
+        r = 0
+        while r < dp and cls.holds((r + 1,) * pp):
+            r += 1
+        whole_room |= dict.fromkeys(cls.sites, r)
+    whole_hosts = tuple(i for i, s in enumerate(sites) if whole_room[s] > 0)
     cost_cache: dict[
         tuple[float, int, tuple[int, ...], tuple[int, ...], int],
         tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]],
     ] = {}
 
-    def star_key(p: int, k: int) -> tuple[float, int, tuple[int, ...], tuple[int, ...], int]:
-        hosts = hosts_of[p]
-        room_of = tuple(caps[(p, sites[i])] for i in hosts)
+    def star_key(
+        p: int, k: int, whole: bool = False
+    ) -> tuple[float, int, tuple[int, ...], tuple[int, ...], int]:
+        """The hosts of stage p and their rooms, with `whole` those of whole replicas."""
+        hosts = whole_hosts if whole else hosts_of[p]
+        if whole:
+            room_of = tuple(whole_room[sites[i]] for i in hosts)
+        else:
+            room_of = tuple(caps[(p, sites[i])] for i in hosts)
         return (w.dp_wan_per_leader(p, k), w.dp_wan_steps(k), hosts, room_of, k)
 
-    def pair_cost(p: int, k: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    def pair_cost(
+        p: int, k: int, whole: bool = False
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
         """(WAN phase of each pair of stage p's hosts if the stage spans k sites, their
         rooms). A pair costs its cheaper direction: the plan's ring order picks which one
         is paid. The diagonal is inf."""
-        key = star_key(p, k)
+        key = star_key(p, k, whole)
         if key not in cost_cache:
             volume, steps, hosts, room_of, _ = key
             idx = np.ix_(hosts, hosts)
@@ -225,7 +243,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         tuple[float, int, tuple[int, ...], tuple[int, ...], int], npt.NDArray[np.float64]
     ] = {}
 
-    def star(p: int, k: int) -> npt.NDArray[np.float64]:
+    def star(p: int, k: int, whole: bool = False) -> npt.NDArray[np.float64]:
         """Per host of stage p (in `hosts_of[p]` order): the least slowest pair of any k
         sites that include it and can hold the stage's dp replicas.
 
@@ -235,10 +253,10 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         of a prefix have room Σ_v (v − v⁻)·min(k − 1, #partners with room ≥ v) over the
         distinct room values v (layer cake).
         """
-        key = star_key(p, k)
+        key = star_key(p, k, whole)
         if key in star_cache:
             return star_cache[key]
-        cost, room = pair_cost(p, k)
+        cost, room = pair_cost(p, k, whole)
         order = np.argsort(cost, axis=1, kind="stable")
         ranked = np.take_along_axis(cost, order, axis=1)  # partners, cheapest first
         partner_room = room[order]
@@ -255,34 +273,42 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         return ecc
 
     clique_cache: dict[tuple[float, int, tuple[int, ...], tuple[int, ...], int], float] = {}
-    searches = [CLIQUE_SEARCHES]
+    # Part A's searches have their own count, so they take none from the other parts'.
+    searches = {False: [CLIQUE_SEARCHES], True: [CLIQUE_SEARCHES]}
     cliques_seen: dict[bytes, tuple[int, int]] = {}
 
-    def wan(p: int, k: int) -> float:
-        """Least slowest pair of any k sites of stage p that can hold its dp replicas:
-        the star floor, raised by the clique floor (the star sees a site's partners,
-        not that they must also be close to each other)."""
-        ecc = star(p, k)
+    def wan(p: int, k: int, whole: bool = False) -> float:
+        """Least slowest pair of any k sites of stage p that can hold its dp replicas
+        (with `whole`, dp whole replicas): the star floor, raised by the clique floor
+        (the star sees a site's partners, not that they must also be close to each
+        other)."""
+        ecc = star(p, k, whole)
         floor = float(ecc.min()) if ecc.size else math.inf
         if k < 3 or not math.isfinite(floor):  # two sites: the star is the pair
             return floor
-        key = star_key(p, k)
+        key = star_key(p, k, whole)
         if key not in clique_cache:
-            cost, room = pair_cost(p, k)
-            clique_cache[key] = _clique_floor(cost, room, k, dp, floor, searches, cliques_seen)
+            cost, room = pair_cost(p, k, whole)
+            clique_cache[key] = _clique_floor(
+                cost, room, k, dp, floor, searches[whole], cliques_seen
+            )
         return clique_cache[key]
 
-    def sync(p: int, k: int) -> float:
-        """Least sync of stage p over exactly k sites."""
+    def sync(p: int, k: int, whole: bool = False) -> float:
+        """Least sync of stage p over exactly k sites (with `whole`, k sites holding
+        whole replicas)."""
         intra = 0.0
         if k < dp:  # some site holds two replicas: its in-site reduce and broadcast
-            roomy = [fabric[s] for s in sites if caps[(p, s)] >= 2]
+            if whole:
+                roomy = [fabric[s] for s in sites if whole_room[s] >= 2]
+            else:
+                roomy = [fabric[s] for s in sites if caps[(p, s)] >= 2]
             intra = w.dp_intra_seconds(p, max(roomy)) if roomy else math.inf
         if k <= 1:
             return intra
-        if len(hosts_of[p]) < k:
+        if len(whole_hosts if whole else hosts_of[p]) < k:
             return math.inf
-        return intra + wan(p, k)
+        return intra + wan(p, k, whole)
 
     kmin = []
     for p in range(pp):
@@ -296,15 +322,9 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
 
     shared = _shared_sync_floor(inst, star, pair_cost, sync, hosts_of, kmin, kmax, caps)
 
-    # (A) whole replicas per site: K sites hold every stage.
-    classes = site_classes(inst)
-    whole = []
-    for cls in classes:
-        r = 0
-        while r < dp and cls.holds((r + 1,) * pp):
-            r += 1
-        whole += [r] * cls.size
-    whole.sort(reverse=True)
+    # (A) whole replicas per site: K sites hold every stage, each whole replicas only, so
+    # each stage's sync is over K sites whose whole rooms hold dp.
+    whole = sorted(whole_room.values(), reverse=True)
     best_a = math.inf
     acc, k0 = 0, 0
     while k0 < len(whole) and acc < dp:
@@ -316,7 +336,8 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
             hop = w.hop_seconds(None, math.ceil(dp / k), best_fabric) if pp > 1 else 0.0
             with_hop = [c + (hop if p < pp - 1 else 0.0) for p, c in enumerate(per_stage)]
             slot = max(joint, *with_hop)
-            total = (m + pp - 1) * slot + max(shared, *(sync(p, k) for p in range(pp)))
+            syncs = (sync(p, k, whole=True) for p in range(pp))
+            total = (m + pp - 1) * slot + max(shared, *syncs)
             best_a = min(best_a, total)
 
     # (B) some replica crosses the WAN at some boundary.

@@ -78,6 +78,35 @@ def test_every_part_of_the_time_bound_is_below_the_optimum(case: tuple[Topology,
     assert 0 < bound.seconds <= optimum
 
 
+def _crossing_free(shards: list[ShardPlacement]) -> bool:
+    """Whether every replica has all its stages at one site."""
+    return all(
+        len({s.site for s in shards if s.replica == r}) == 1 for r in {s.replica for s in shards}
+    )
+
+
+@SLOW_OK
+@given(tiny_cases())
+def test_the_crossing_free_part_is_below_every_crossing_free_placement(
+    case: tuple[Topology, JobSpec],
+) -> None:
+    # Part A counts each site's whole replicas only (every stage of each at the site):
+    # it must stay below the fastest placement in which no replica crosses the WAN.
+    topo, spec = case
+    try:
+        inst = build_instance(topo, Workload.of(spec))
+    except InfeasibleError:
+        assume(False)
+    best = brute_force(inst, objective_key(Objective.ITERATION_TIME), admit=_crossing_free)
+    part = iteration_time_bound(inst).crossing_free
+    event(f"a crossing-free placement exists: {best is not None}")
+    if best is None:
+        return
+    least = best[1].iteration_seconds
+    event(f"part A equals the crossing-free optimum: {part >= least * (1 - 1e-6)}")
+    assert part <= least * (1 + 1e-9)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_cases())
 def test_shared_sync_floor_is_below_every_placements_sync(case: tuple[Topology, JobSpec]) -> None:
