@@ -156,8 +156,7 @@ def _options(
 def _plan_rank(explicit: int | None) -> int:
     """--rank, else this worker's entry in the launcher's plan ranks, else $RANK."""
     from cpn.errors import InputError  # noqa: PLC0415
-    from cpn.train.launcher import PLAN_RANKS_ENV  # noqa: PLC0415
-    from cpn.train.trainer import world_from_env  # noqa: PLC0415
+    from cpn.train.launch_env import PLAN_RANKS_ENV, world_from_env  # noqa: PLC0415
 
     _, env_rank = world_from_env()
     if explicit is not None:
@@ -206,15 +205,10 @@ def worker(
     group is created; a collective that fails later is one line naming the step, the
     operation and the ranks (exit status 1).
     """
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # noqa: PLC0415
-
-    from cpn.comm import CommError  # noqa: PLC0415
     from cpn.train.checkpoint_request import touch_on_signal  # noqa: PLC0415
-    from cpn.train.launcher import MERGE_OUTPUT_ENV, PLAN_RANKS_ENV  # noqa: PLC0415
-    from cpn.train.trainer import (  # noqa: PLC0415
-        Trainer,
-        check_launch,
-        nothing_to_train,
+    from cpn.train.launch_env import (  # noqa: PLC0415
+        MERGE_OUTPUT_ENV,
+        PLAN_RANKS_ENV,
         world_from_env,
     )
 
@@ -223,9 +217,17 @@ def worker(
     _log_to_stderr()
     if checkpoint_request is not None:  # first: the site's warning must not end us
         touch_on_signal(checkpoint_request)
+    # The files and the environment before torch is imported: a wrong path is one line
+    # at once, not after the seconds torch takes to import.
     spec_plan, spec_job = _load(plan, job)
     world, _ = world_from_env()
     me = _plan_rank(rank)
+
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # noqa: PLC0415
+
+    from cpn.comm import CommError  # noqa: PLC0415
+    from cpn.train.trainer import Trainer, check_launch, nothing_to_train  # noqa: PLC0415
+
     path = None if metrics is None else Path(metrics.replace("{rank}", str(me)))
     opts = _options(
         schedule, dp_sync, checkpoint_store, checkpoint_every, resume, stop_after, timeout,

@@ -47,16 +47,13 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from cpn.errors import CpnError
+from cpn.train.launch_env import MERGE_OUTPUT_ENV, PLAN_RANKS_ENV
 from cpn.train.run_files import RunFiles
 from cpn.train.tail import FileTail
 
 if TYPE_CHECKING:
     from cpn.train.trainer import TrainOptions
 
-#: Environment of every worker: the plan ranks of this launcher, by local rank.
-PLAN_RANKS_ENV = "CPN_PLAN_RANKS"
-#: Set for `cpn worker`: send standard output to the log too, in order.
-MERGE_OUTPUT_ENV = "CPN_MERGE_OUTPUT"
 
 MetricsCallback = Callable[[int, dict[str, Any]], None]
 #: Modules the fork server of `run_function` imports once for all the workers it forks.

@@ -562,16 +562,3 @@ class _SiteAsks:
 
     def close(self) -> None:
         self.flag.close()
-
-
-def world_from_env() -> tuple[int, int | None]:
-    """WORLD_SIZE (required) and RANK (optional) from the torch.distributed environment."""
-    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
-        if not os.environ.get(name):
-            raise InputError(f"{name}: not set (the usual torch.distributed environment)")
-    try:
-        world = int(os.environ["WORLD_SIZE"])
-        rank = int(os.environ["RANK"]) if os.environ.get("RANK") else None
-    except ValueError as exc:
-        raise InputError(f"WORLD_SIZE/RANK: not an integer ({exc})") from None
-    return world, rank

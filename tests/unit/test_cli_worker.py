@@ -308,3 +308,40 @@ def test_resuming_past_stop_after_says_so(tmp_path: Path) -> None:
         "nothing to train: already trained to step 6 of 10, --stop-after is 6 "
         f"(checkpoint step 6 in {store})"
     )
+
+
+def test_a_wrong_file_or_environment_is_reported_before_torch_is_imported(
+    tmp_path: Path,
+) -> None:
+    # torch takes seconds to import on a GPU host: what the worker can check without it
+    # (its files, the launcher's environment) is checked first.
+    plan, spec = files(tmp_path)
+    probe = (
+        "import sys\n"
+        "from cpn.cli import main\n"
+        "sys.argv = ['cpn', 'worker', *sys.argv[1:]]\n"
+        "try:\n"
+        "    main()\n"
+        "finally:\n"
+        "    print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "WORLD_SIZE": "4"}
+    cases = [
+        (["--plan", str(tmp_path / "missing.json"), "--job", spec], env, "no such file"),
+        (["--plan", plan, "--job", str(tmp_path / "missing.yaml")], env, "no such file"),
+        (["--plan", plan, "--job", spec], {}, "MASTER_ADDR: not set"),
+        (["--plan", plan, "--job", spec], {**env, "WORLD_SIZE": "four"}, "not an integer"),
+    ]
+    base = {k: v for k, v in os.environ.items() if k not in {*env, "RANK"}}
+    for args, extra, expected in cases:
+        out = subprocess.run(
+            [sys.executable, "-c", probe, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**base, **extra},
+            check=False,
+        )
+        assert out.returncode == 2, out.stderr
+        assert expected in out.stderr, out.stderr
+        assert "torch imported: False" in out.stderr, args
