@@ -16,7 +16,8 @@ apart, because they trade slot against sync:
       replica, and each stage's sync is at least its least over the k it can have.
 
 and the bound is the smaller of the two, raised to (C) (the trade between sync and
-crossings by sites per stage, `_sites_per_stage_bound`) where that is larger, every
+crossings by sites per stage, `_sites_per_stage_bound`) and to (K) (stages kept apart by
+slow pairs must cross between them, `time_components`) where those are larger, every
 sync term being at least (S) (`_shared_sync_floor`). Its parts:
   - compute: the least t such that every stage's dp shards fit in slots whose compute
     time for that stage is ≤ t (a max-flow check over the node groups), and per stage the
@@ -46,6 +47,7 @@ from ortools.graph.python import max_flow
 
 from cpn.scheduler.instance import Instance
 from cpn.scheduler.patterns.classes import site_classes
+from cpn.scheduler.time_components import component_bound
 from cpn.scheduler.time_flows import hop_coefficients, pair_costs
 
 #: Relative margin taken off the bound for floating-point rounding.
@@ -66,6 +68,7 @@ class TimeBound:
     compute: float  # the least slowest compute per micro-batch any placement has
     sites_per_stage: float = 0.0  # (C): sync against crossings, by sites per stage
     shared_sync: float = 0.0  # (S): the sync every placement pays, stages sharing slots
+    components: float = 0.0  # (K): stages kept apart by slow pairs (`time_components`)
 
 
 def _largest_cliques(
@@ -356,7 +359,8 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
     )
     best_b = max(best_b, best_bc)  # both hold when some replica crosses
 
-    bound = max(min(best_a, best_b), best_c)
+    best_k = component_bound(inst, joint, per_stage, shared)
+    bound = max(min(best_a, best_b), best_c, best_k)
     if not math.isfinite(bound):
         bound = (m + pp - 1) * joint
     return TimeBound(
@@ -366,6 +370,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         compute=joint,
         sites_per_stage=best_c,
         shared_sync=shared,
+        components=best_k,
     )
 
 
