@@ -247,8 +247,9 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
     ] = {}
 
     def star(p: int, k: int, whole: bool = False) -> npt.NDArray[np.float64]:
-        """Per host of stage p (in `hosts_of[p]` order): the least slowest pair of any k
-        sites that include it and can hold the stage's dp replicas.
+        """Per host of stage p (in `star_key`'s order; with `whole`, the hosts of whole
+        replicas): the least slowest pair of any k sites that include it and can hold
+        the stage's dp replicas.
 
         Such a set Σ ∋ a gives a k − 1 partners that all cost at most the phase and hold,
         with a, dp replicas: so the phase is at least the least cost c such that a's

@@ -319,7 +319,8 @@ def _call_in_group(fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str,
     try:
         return fn(dist.get_rank(), dist.get_world_size(), *args)
     except BaseException as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):  # a clean exit
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         raise
     finally:
         if dist.is_initialized():
