@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import reject
 from hypothesis import strategies as st
 
 from cpn.contracts import JobSpec, Topology
 from cpn.costmodel import GIB, Workload
+from cpn.errors import InfeasibleError
+from cpn.scheduler.instance import Instance, build_instance
 from tests.factories import job, link, topology
+
+
+def instance_or_reject(case: tuple[Topology, JobSpec]) -> Instance:
+    """The case's instance; hypothesis drops a case whose job cannot fit at all."""
+    topo, spec = case
+    try:
+        return build_instance(topo, Workload.of(spec))
+    except InfeasibleError:
+        reject()
 
 
 @st.composite

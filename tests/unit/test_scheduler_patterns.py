@@ -39,7 +39,7 @@ from cpn.scheduler.time_bound import iteration_time_bound
 from cpn.synthetic import benchmark_job, generate_topology
 from tests.factories import job, link, site, topology
 from tests.plan_checks import assert_valid_plan
-from tests.scheduler_cases import tiny_cases
+from tests.scheduler_cases import instance_or_reject, tiny_cases
 
 SETTINGS = SolverSettings(time_limit=5)
 SLOW_OK = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -226,12 +226,7 @@ def test_time_bound_cases_that_once_exceeded_the_optimum(case: tuple[Topology, J
 @SLOW_OK
 @given(tiny_cases())
 def test_cuts_keep_an_optimal_plan_feasible(case: tuple[Topology, JobSpec]) -> None:
-    topo, spec = case
-    try:
-        inst = build_instance(topo, Workload.of(spec))
-    except InfeasibleError:
-        assume(False)
-        raise
+    inst = instance_or_reject(case)
     best = brute_force(inst, objective_key(Objective.WAN_BYTES))
     assume(best is not None)
     assert best is not None
@@ -293,11 +288,7 @@ def test_master_plans_are_valid_placements_with_the_bytes_they_claim(
     case: tuple[Topology, JobSpec],
 ) -> None:
     topo, spec = case
-    try:
-        inst = build_instance(topo, Workload.of(spec))
-    except InfeasibleError:
-        assume(False)
-        raise
+    inst = instance_or_reject(case)
     result = pattern_search(inst, _starting_points(inst, Objective.WAN_BYTES), 1.0, SETTINGS)
     assume(result.plan is not None)
     assert result.plan is not None and result.plan_bytes is not None

@@ -34,7 +34,7 @@ from cpn.scheduler.time_decision import decision_model
 from cpn.scheduler.time_flows import balanced_flows, boundary_flows
 from cpn.synthetic import benchmark_job, generate_topology
 from tests.factories import job, link, site, topology
-from tests.scheduler_cases import tiny_cases
+from tests.scheduler_cases import instance_or_reject, tiny_cases
 
 SLOW_OK = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -107,11 +107,7 @@ def test_the_crossing_free_part_is_below_every_crossing_free_placement(
 ) -> None:
     # Part A counts each site's whole replicas only (every stage of each at the site):
     # it must stay below the fastest placement in which no replica crosses the WAN.
-    topo, spec = case
-    try:
-        inst = build_instance(topo, Workload.of(spec))
-    except InfeasibleError:
-        assume(False)
+    inst = instance_or_reject(case)
     best = brute_force(inst, objective_key(Objective.ITERATION_TIME), admit=_crossing_free)
     part = iteration_time_bound(inst).crossing_free
     event(f"a crossing-free placement exists: {best is not None}")
@@ -127,12 +123,7 @@ def test_the_crossing_free_part_is_below_every_crossing_free_placement(
 def test_shared_sync_floor_is_below_every_placements_sync(case: tuple[Topology, JobSpec]) -> None:
     # The floor on the exposed sync holds for *every* placement, so it holds for the one
     # with the least sync (enumerated), whatever its iteration time.
-    topo, spec = case
-    try:
-        inst = build_instance(topo, Workload.of(spec))
-    except InfeasibleError:
-        assume(False)
-        return
+    inst = instance_or_reject(case)
     least = brute_force(inst, lambda ev: (ev.dp_sync,))
     assume(least is not None)
     assert least is not None
