@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cpn.scheduler.instance import Instance
-from cpn.scheduler.time_flows import hop_coefficients, pair_costs
+from cpn.scheduler.time_flows import _capacities, hop_coefficients, pair_costs
 
 #: Bisection steps of `_crossing_hop` (it returns the lower end: never above the least).
 HOP_STEPS = 50
@@ -60,10 +60,7 @@ def _crossing_hop(
         return math.inf
 
     def carries(t: float) -> bool:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            # Rounded up a hair, as `time_flows._capacities`: a tie counts as carried.
-            count = np.floor((t - al) / be * (1 + 1e-12) + 1e-9)
-        count = np.where(finite & (count > 0), np.minimum(count, pair_room), 0)
+        count = np.minimum(_capacities(al, be, t, dp), pair_room)  # a tie counts as carried
         rows = np.minimum(count.sum(axis=1), send).sum()
         cols = np.minimum(count.sum(axis=0), take).sum()
         return bool(min(rows, cols) >= dp)
@@ -147,21 +144,14 @@ def component_bound(inst: Instance, joint: float, per_stage: list[float], shared
 def _joining_hop(joins: list[tuple[float, int, int]], holds: list[int], pp: int) -> float:
     """The least hop H at which components joined by pairs with hop ≤ H hold pp stages
     (Kruskal on the joins, cheapest first); inf if never."""
-    parent = list(range(len(holds)))
-    total = list(holds)
-
-    def root(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    groups = nx.utils.UnionFind(range(len(holds)))
+    total = dict(enumerate(holds))  # by each group's representative
     for hop, x, y in sorted(joins):
-        rx, ry = root(x), root(y)
+        rx, ry = groups[x], groups[y]
         if rx == ry:
             continue
-        parent[rx] = ry
-        total[ry] += total[rx]
-        if total[ry] >= pp:
+        groups.union(rx, ry)
+        total[groups[x]] = total[rx] + total[ry]
+        if total[groups[x]] >= pp:
             return hop
     return math.inf
