@@ -55,7 +55,7 @@ def main() -> None:
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = args.workers
         solver.parameters.max_time_in_seconds = args.seconds
-        status = solver.solve(model)
+        status = solver.solve(model.model)
         print(
             f"d={sync:.4f} B={bound:.3f} stages {stages.start}–{stages.stop - 1}: "
             f"{solver.status_name(status)} in {time.perf_counter() - started:.1f} s"

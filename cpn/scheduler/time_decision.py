@@ -10,7 +10,9 @@ boundary, as in `time_flows`). It is the integer argument about which clusters o
 follow which that docs/scheduler.md §7 ("Known limit") says the bound lacks. What it
 relaxes, each an over-approximation of what placements can do:
 
-  - a site's node groups are pooled (its slots, and per stage the slots that fit it);
+  - a site's node groups are pooled: per stage the slots that fit it, and Hall's condition
+    over the kinds of node (`SiteClass.holds`), which the site's nodes may still not meet
+    when the stages' fit sets are not nested;
   - a stage's compute is its least possible (`time_bound._compute_floor`, per stage), and
     the slot's other terms (the last stage's compute, the joint compute) are dropped;
   - a pair of sites may share a stage spanning k sites when its cheaper direction's WAN
@@ -26,21 +28,24 @@ D lies in [d, d'), d' the next value at which some pair's allowed sizes change, 
 allowed pairs of d exactly, so INFEASIBLE at (d, B) shows each of them has a slot above
 (B − d)/(m + pp − 1), hence an iteration time above B.
 
-Not used by the solver: on the 64-site bench instances CP-SAT cannot decide the model over
+Not used by the bound: on the 64-site bench instances CP-SAT cannot decide the model over
 all stages in 40 s beyond a target 1 s above today's bound, and the two-stage models,
 though decided in seconds, cannot lift the homogeneous dense bound past 12.4 s (plan
-19.89 s) and need tens of solves for about 10.7 s (bench/README.md). It is kept, with its
-soundness test, for `bench/time_decision.py` and as the base of a bound that needs a
-cheaper proof of the same argument.
+19.89 s) and need tens of solves for about 10.7 s (bench/README.md). Its solutions are
+plans, though: `time_levels` searches it for placements faster than the other searches
+find, and `bench/time_decision.py` runs it alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from ortools.sat.python import cp_model
 
 from cpn.scheduler.instance import Instance
+from cpn.scheduler.patterns.classes import site_classes
 from cpn.scheduler.time_bound import _compute_floor, peel
 from cpn.scheduler.time_flows import hop_coefficients, pair_costs
 
@@ -79,7 +84,15 @@ def _members(
     return out
 
 
-def decision_model(inst: Instance, sync: float, bound: float, stages: range) -> cp_model.CpModel:
+@dataclass
+class Decision:
+    """The decision model and its shards per (stage, site index), to read a solution."""
+
+    model: cp_model.CpModel
+    held: dict[tuple[int, int], cp_model.IntVar]
+
+
+def decision_model(inst: Instance, sync: float, bound: float, stages: range) -> Decision:
     """Feasible if some placement of `stages` has sync ≤ `sync` and a slot ≤ (bound −
     sync) / (m + pp − 1); see the module docstring for what is relaxed."""
     w = inst.workload
@@ -117,6 +130,15 @@ def decision_model(inst: Instance, sync: float, bound: float, stages: range) -> 
                     model.add_bool_or([there[p, a].Not(), there[p, b].Not()])
                 elif largest[a, b] < kmax:
                     model.add(k <= int(largest[a, b])).only_enforce_if([there[p, a], there[p, b]])
+    for cls in site_classes(inst):
+        # Hall's condition (`SiteClass.holds`): every placement meets it, and so does every
+        # solution's pattern, so `time_levels` can place it on the nodes.
+        for limited, slots in cls.hall_limits():
+            for site in cls.sites:
+                s = inst.site_index[site]
+                mine = [held[p, s] for p in limited if p in stages and (p, s) in held]
+                if mine:
+                    model.add(sum(mine) <= slots)
     for s, site in enumerate(inst.sites):
         mine = [held[p, s] for p in stages if (p, s) in held]
         if mine:
@@ -141,4 +163,4 @@ def decision_model(inst: Instance, sync: float, bound: float, stages: range) -> 
                 model.add(sum(out[s]) == held[p, s])
             if (p + 1, s) in held:
                 model.add(sum(into[s]) == held[p + 1, s])
-    return model
+    return Decision(model, held)

@@ -337,7 +337,7 @@ def test_an_infeasible_decision_model_is_a_proof(
     for stages in (range(inst.pp), range(first, last + 1)):
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
-        status = solver.solve(decision_model(inst, sync, target, stages))
+        status = solver.solve(decision_model(inst, sync, target, stages).model)
         assert status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
         if target - sync >= least:
             assert status == cp_model.OPTIMAL

@@ -68,16 +68,22 @@ class SiteClass:
             return False
         if sum(pattern) > self.slots:
             return False
+        return all(sum(pattern[p] for p in stages) <= room for stages, room in self.hall_limits())
+
+    def hall_limits(self) -> list[tuple[tuple[int, ...], int]]:
+        """(stages, slots) pairs: the stages that fit only on the kinds of node where some
+        stage q fits (q's fit set or a subset of it) hold at most those kinds' slots."""
+        pp = len(self.caps)
         fitsets = [
-            frozenset(i for i, (fits, _) in enumerate(self.levels) if fits[p])
-            for p in range(len(pattern))
+            frozenset(i for i, (fits, _) in enumerate(self.levels) if fits[p]) for p in range(pp)
         ]
-        for where in set(fitsets):
-            room = sum(self.levels[i][1] for i in where)
-            need = sum(a for p, a in enumerate(pattern) if fitsets[p] <= where)
-            if need > room:
-                return False
-        return True
+        return [
+            (
+                tuple(p for p in range(pp) if fitsets[p] <= where),
+                sum(self.levels[i][1] for i in where),
+            )
+            for where in sorted(set(fitsets), key=sorted)
+        ]
 
 
 def site_classes(inst: Instance) -> list[SiteClass]:
