@@ -43,6 +43,7 @@ from cpn.scheduler.realize import (
 from cpn.scheduler.time_anneal import anneal_blocks
 from cpn.scheduler.time_bound import TimeBound, iteration_time_bound
 from cpn.scheduler.time_flows import balanced_flows, hop_coefficients
+from cpn.scheduler.time_levels import level_search
 
 #: Up to this many candidate sites the time phase may move shards between sites; beyond
 #: it (with the bytes objective) it keeps the bytes phase's counts and chooses flows only.
@@ -59,7 +60,12 @@ PATTERN_SHARE = 0.4
 #: Share of the budget the annealing of block positions takes for time on large networks,
 #: where the CP-SAT time model, moving shards, has not improved its clustered start in any
 #: measured run (64 sites: 0.4 gave plans 0–7 % faster than none, 0.7 another 1–9 %).
-ANNEAL_SHARE = 0.7
+ANNEAL_SHARE = 0.35
+#: Share of the budget the search over sync levels (`time_levels`) takes for time on large
+#: networks, after the annealing: its placements (each stage on its own overlapping sites)
+#: beat the annealed ones on three of the four 64-site bench instances.
+LEVEL_SHARE = 0.45
+LEVEL_MIN_SITES = 8
 #: Beyond this many sites the annealer is not run: a block position spans dozens of sites,
 #: each move's flows take tens of milliseconds, and at 256 sites it gained 0.6 % (44.69 →
 #: 44.43 s) while taking 12 s over its share of a 30 s budget.
@@ -316,6 +322,30 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         ):
             seed = annealed
 
+    # Phase 0 (time, large networks): placements at chosen sync levels, faster than the
+    # start. The bound comes first: no target below it is tried.
+    time_bound: TimeBound | None = None
+    if (
+        objective is Objective.ITERATION_TIME
+        and settings.patterns
+        and LEVEL_MIN_SITES < len(inst.sites) <= ANNEAL_MAX_SITES
+        and seed is not None
+    ):
+        time_bound = iteration_time_bound(inst)
+        share = settings.time_limit * (1 - FINISH_SHARE) * LEVEL_SHARE
+        levels = level_search(
+            inst,
+            seed,
+            share,
+            # The later phases keep a fifth of what is left, should the clock run slow.
+            min(2 * share, 0.8 * left()),
+            floor=time_bound.seconds,
+            sync_floor=time_bound.shared_sync,
+            seed=settings.seed,
+        )
+        if levels.counts is not None:
+            seed = levels.counts
+
     # Phase 0 (WAN bytes): the pattern formulation's bound, cuts and plan.
     pattern: PatternResult | None = None
     if settings.patterns and objective is Objective.WAN_BYTES:
@@ -362,13 +392,12 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     # Phase 2: iteration time. On small instances the full model (counts free, flows
     # between every pair of sites); on large ones, with the bytes objective, the counts
     # of phase 1 stay and only the flows between sites are chosen (a small model).
-    time_bound: TimeBound | None = None
     if objective is Objective.ITERATION_TIME:
         if seed is not None and key(evaluate_shards(inst, realize(inst, seed))) < key(
             evaluate_shards(inst, realize(inst, counts))
         ):
             counts = seed  # start the time search from the faster of the two
-        if settings.patterns:
+        if settings.patterns and time_bound is None:
             time_bound = iteration_time_bound(inst)
     arcs = {k for k in counts.flows if k[1] != k[2]}
     full = len(inst.sites) <= FULL_TIME_MODEL_SITES or objective is Objective.ITERATION_TIME
