@@ -59,11 +59,15 @@ TIME_MODEL_TOLERANCE = 2e-3
 PATTERN_SHARE = 0.4
 #: Share of the budget the annealing of block positions takes for time on large networks,
 #: where the CP-SAT time model, moving shards, has not improved its clustered start in any
-#: measured run (64 sites: 0.4 gave plans 0–7 % faster than none, 0.7 another 1–9 %).
+#: measured run (64 sites: 0.4 gave plans 0–7 % faster than none, 0.7 another 1–9 %; with
+#: the sync-level search beside it, 0.35 — 0.25, 0.4 and 0.45 gave slower plans on 2–4 of
+#: the four 64-site bench instances, 2026-11-29).
 ANNEAL_SHARE = 0.35
-#: Share of the budget the search over sync levels (`time_levels`) takes for time on large
-#: networks, after the annealing: its placements (each stage on its own overlapping sites)
-#: beat the annealed ones on three of the four 64-site bench instances.
+#: Share of the budget the search over sync levels (`time_levels`) takes for time, after
+#: the annealing: its placements (each stage on its own overlapping sites) beat the
+#: annealed ones by 7–15 % on three of the four 64-site bench instances and the CP-SAT
+#: time model's by 15 % on the 16-site heterogeneous dense one. Up to `LEVEL_MIN_SITES`
+#: sites the CP-SAT time model, which then often proves its plan optimal, keeps the budget.
 LEVEL_SHARE = 0.45
 LEVEL_MIN_SITES = 8
 #: Beyond this many sites the annealer is not run: a block position spans dozens of sites,
@@ -322,7 +326,7 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         ):
             seed = annealed
 
-    # Phase 0 (time, large networks): placements at chosen sync levels, faster than the
+    # Phase 0 (time, 9 to 128 sites): placements at chosen sync levels, faster than the
     # start. The bound comes first: no target below it is tried.
     time_bound: TimeBound | None = None
     if (
