@@ -59,17 +59,22 @@ TIME_MODEL_TOLERANCE = 2e-3
 PATTERN_SHARE = 0.4
 #: Share of the budget the annealing of block positions takes for time on large networks,
 #: where the CP-SAT time model, moving shards, has not improved its clustered start in any
-#: measured run (64 sites: 0.4 gave plans 0–7 % faster than none, 0.7 another 1–9 %; with
-#: the sync-level search beside it, 0.35 — 0.25, 0.4 and 0.45 gave slower plans on 2–4 of
-#: the four 64-site bench instances, 2026-11-29).
-ANNEAL_SHARE = 0.35
+#: measured run (64 sites: 0.4 gave plans 0–7 % faster than none, 0.7 another 1–9 %).
+ANNEAL_SHARE = 0.7
+#: The annealer's share where the sync-level search runs beside it: 0.25, 0.4 and 0.45
+#: gave slower plans than 0.35 on 2–4 of the four 64-site bench instances (2026-11-29).
+ANNEAL_SHARE_WITH_LEVELS = 0.35
 #: Share of the budget the search over sync levels (`time_levels`) takes for time, after
 #: the annealing: its placements (each stage on its own overlapping sites) beat the
 #: annealed ones by 7–15 % on three of the four 64-site bench instances and the CP-SAT
 #: time model's by 15 % on the 16-site heterogeneous dense one. Up to `LEVEL_MIN_SITES`
-#: sites the CP-SAT time model, which then often proves its plan optimal, keeps the budget.
+#: sites the CP-SAT time model, which then often proves its plan optimal, keeps the budget;
+#: beyond `LEVEL_MAX_SITES` the local search found nothing in its share (128 sites, four
+#: generated networks: a model of 30–110 thousand variables) and the annealer's full share
+#: did better (128.51 against 155.03 s on one).
 LEVEL_SHARE = 0.45
 LEVEL_MIN_SITES = 8
+LEVEL_MAX_SITES = 64
 #: Beyond this many sites the annealer is not run: a block position spans dozens of sites,
 #: each move's flows take tens of milliseconds, and at 256 sites it gained 0.6 % (44.69 →
 #: 44.43 s) while taking 12 s over its share of a 30 s budget.
@@ -317,7 +322,9 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         and FULL_TIME_MODEL_SITES < len(inst.sites) <= ANNEAL_MAX_SITES
         and clustered
     ):
-        share = settings.time_limit * (1 - FINISH_SHARE) * ANNEAL_SHARE
+        with_levels = len(inst.sites) <= LEVEL_MAX_SITES
+        anneal_share = ANNEAL_SHARE_WITH_LEVELS if with_levels else ANNEAL_SHARE
+        share = settings.time_limit * (1 - FINISH_SHARE) * anneal_share
         annealed = _annealed(inst, clustered, share, min(2 * share, left()))
         if annealed is not None and (
             seed is None
@@ -326,13 +333,13 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         ):
             seed = annealed
 
-    # Phase 0 (time, 9 to 128 sites): placements at chosen sync levels, faster than the
+    # Phase 0 (time, 9 to 64 sites): placements at chosen sync levels, faster than the
     # start. The bound comes first: no target below it is tried.
     time_bound: TimeBound | None = None
     if (
         objective is Objective.ITERATION_TIME
         and settings.patterns
-        and LEVEL_MIN_SITES < len(inst.sites) <= ANNEAL_MAX_SITES
+        and LEVEL_MIN_SITES < len(inst.sites) <= LEVEL_MAX_SITES
         and seed is not None
     ):
         time_bound = iteration_time_bound(inst)
