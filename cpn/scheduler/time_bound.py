@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import networkx as nx
 import numpy as np
@@ -144,7 +145,19 @@ def _clique_floor(
 
 
 def _compute_floor(inst: Instance) -> tuple[float, list[float]]:
-    """(joint least slowest compute, per-stage dp-th fastest fitting slot)."""
+    """(joint least slowest compute, per-stage dp-th fastest fitting slot).
+
+    Computed once per instance (`Instance.cache`): the sync-level search builds a decision
+    model, which needs it, dozens of times.
+    """
+    cached = inst.cache.get("compute_floor")
+    if cached is None:
+        cached = inst.cache["compute_floor"] = _least_compute(inst)
+    joint, per_stage = cast(tuple[float, list[float]], cached)
+    return joint, list(per_stage)
+
+
+def _least_compute(inst: Instance) -> tuple[float, list[float]]:
     dp, pp = inst.dp, inst.pp
     per_stage = []
     for p in range(pp):

@@ -47,12 +47,15 @@ STEP = 0.03
 #: Deterministic time one attempt may take: the first solutions at a level on the bench
 #: instances took 0.01–14 units, most below 3.5.
 ATTEMPT_DTIME = 3.5
-#: What building an attempt's model and timing its placement cost, in the same units (about
-#: 0.1 s at 16 and 64 sites), counted so that many quick attempts stay within the budget.
-ATTEMPT_OVERHEAD = 0.2
-#: CP-SAT's deterministic time per second of one core for this local search (measured on
-#: the 64-site bench models, presolve off: 1.6–2.6).
-DTIME_PER_SECOND = 2.0
+#: What building an attempt's model, hinting it and timing its placement cost, in the same
+#: units: a fixed part and a part per variable of the model (measured: 0.03 s for 400–2 000
+#: variables at 16 sites, 0.19 s for 30 000 at 64), counted so that the clock, a safety
+#: net, does not decide when the search stops (it did on a loaded machine: review).
+ATTEMPT_OVERHEAD = 0.05
+OVERHEAD_PER_VARIABLE = 2e-5
+#: CP-SAT's deterministic time per second of one core for this local search (measured,
+#: presolve off: 1.1–2.6 on the 16- and 64-site bench models).
+DTIME_PER_SECOND = 1.6
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Attempt:
     target: float
     status: str
     dtime: float
+    #: What the budget was charged: `dtime` and the attempt's `overhead`.
+    counted: float
     #: The cost model's iteration time of the placement found (None: nothing placed).
     seconds: float | None
 
@@ -76,17 +81,26 @@ class LevelSearch:
     attempts: list[Attempt]
 
 
-def placement(inst: Instance, decision: Decision, solver: cp_model.CpSolver) -> Counts | None:
+def placement(
+    inst: Instance,
+    decision: Decision,
+    solution: cp_model.CpSolver | cp_model.CpSolverSolutionCallback,
+) -> Counts | None:
     """The solution's shards per site as counts with the fastest flows (None: the model's
     relaxation let it through but the nodes or the routes cannot carry it)."""
     patterns = {site: [0] * inst.pp for site in inst.sites}
     for (p, s), var in decision.held.items():
-        patterns[inst.sites[s]][p] = solver.value(var)
+        patterns[inst.sites[s]][p] = solution.value(var)
     try:
         counts = counts_of(inst, patterns)
     except ValueError:  # fit sets that are not nested: Hall's condition is not enough
         return None
     return balanced_flows(inst, counts)
+
+
+def overhead(model: cp_model.CpModel) -> float:
+    """The counted cost of an attempt besides CP-SAT's own work (`ATTEMPT_OVERHEAD`)."""
+    return ATTEMPT_OVERHEAD + OVERHEAD_PER_VARIABLE * len(model.proto.variables)
 
 
 def start_hint(inst: Instance, counts: Counts) -> dict[str, int]:
@@ -131,9 +145,10 @@ def level_search(
     attempts: list[Attempt] = []
     # A level is a fraction of the best time when it is first tried. One that gave a
     # faster plan is tried again at once with a lower target, the local search starting
-    # from the solution it gave (a continuation: each such step took 0.15–2.3 units on the
-    # bench, a first solution at a level up to 5); one that gives nothing is dropped.
-    fractions = deque(FRACTIONS)
+    # from the solution it gave (a continuation: each such step took 0.0–0.7 units on the
+    # 64-site bench, a first solution at a level 0.5–3.5); one that gives nothing is dropped.
+    # Without data parallelism nothing syncs: only the level 0 means anything.
+    fractions = deque(FRACTIONS if inst.dp > 1 else (0.0,))
     again: float | None = None
     hint = start_hint(inst, start)
     while again is not None or fractions:
@@ -144,13 +159,13 @@ def level_search(
         left = deadline - time.perf_counter()
         if cap <= 0.05 or left <= 0.05:
             break
-        if target <= max(sync, floor) or sync <= sync_floor:
+        if target <= max(sync, floor) or sync < sync_floor:
             continue
         decision = decision_model(inst, sync, target, range(inst.pp))
         model = decision.model
-        for i, var in enumerate(model.proto.variables):
-            if var.name in hint:
-                model.add_hint(model.get_int_var_from_proto_index(i), hint[var.name])
+        named = [(i, hint[v.name]) for i, v in enumerate(model.proto.variables) if v.name in hint]
+        model.proto.solution_hint.vars.extend(i for i, _ in named)
+        model.proto.solution_hint.values.extend(value for _, value in named)
         solver = cp_model.CpSolver()
         prm = solver.parameters
         prm.num_workers = 1
@@ -160,23 +175,23 @@ def level_search(
         prm.cp_model_presolve = False
         prm.random_seed = seed
         prm.max_deterministic_time = cap
-        prm.max_time_in_seconds = min(left, 2 * cap / DTIME_PER_SECOND)
+        prm.max_time_in_seconds = min(left, 4 * cap / DTIME_PER_SECOND)  # a safety net
         status = solver.solve(model)
-        spent += solver.deterministic_time + ATTEMPT_OVERHEAD
+        counted = solver.deterministic_time + overhead(model)
+        spent += counted
         value = None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             counts = placement(inst, decision, solver)
             if counts is not None:
                 value = evaluate_shards(inst, realize(inst, counts)).iteration_seconds
         attempts.append(
-            Attempt(sync, target, solver.status_name(status), solver.deterministic_time, value)
+            Attempt(
+                sync, target, solver.status_name(status), solver.deterministic_time, counted, value
+            )
         )
         if value is not None and value < best:
             best, found = value, counts
             again = sync
-            hint = {
-                var.name: solver.value(model.get_int_var_from_proto_index(i))
-                for i, var in enumerate(model.proto.variables)
-                if var.name
-            }
+            values = solver.response_proto.solution
+            hint = {v.name: values[i] for i, v in enumerate(model.proto.variables) if v.name}
     return LevelSearch(found, best, attempts)
