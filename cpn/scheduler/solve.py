@@ -66,7 +66,7 @@ ANNEAL_SHARE = 0.7
 ANNEAL_SHARE_WITH_LEVELS = 0.35
 #: Share of the budget the search over sync levels (`time_levels`) takes for time, after
 #: the annealing: its placements (each stage on its own overlapping sites) beat the
-#: annealed ones by 7–15 % on three of the four 64-site bench instances and the CP-SAT
+#: annealed ones by 4–15 % on three of the four 64-site bench instances and the CP-SAT
 #: time model's by 15 % on the 16-site heterogeneous dense one. Up to `LEVEL_MIN_SITES`
 #: sites the CP-SAT time model, which then often proves its plan optimal, keeps the budget;
 #: beyond `LEVEL_MAX_SITES` the local search found nothing in its share (128 sites, four
