@@ -315,6 +315,14 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     seed = starts[0] if starts else None
     key = objective_key(objective)
 
+    # The sync-level search runs for time on 9 to 64 sites; where it does, the annealer
+    # gives it part of its share.
+    with_levels = (
+        objective is Objective.ITERATION_TIME
+        and settings.patterns
+        and LEVEL_MIN_SITES < len(inst.sites) <= LEVEL_MAX_SITES
+    )
+
     # Phase 0 (time, large networks): anneal the clustered starts' block positions.
     if (
         objective is Objective.ITERATION_TIME
@@ -322,7 +330,6 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         and FULL_TIME_MODEL_SITES < len(inst.sites) <= ANNEAL_MAX_SITES
         and clustered
     ):
-        with_levels = len(inst.sites) <= LEVEL_MAX_SITES
         anneal_share = ANNEAL_SHARE_WITH_LEVELS if with_levels else ANNEAL_SHARE
         share = settings.time_limit * (1 - FINISH_SHARE) * anneal_share
         annealed = _annealed(inst, clustered, share, min(2 * share, left()))
@@ -336,12 +343,7 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     # Phase 0 (time, 9 to 64 sites): placements at chosen sync levels, faster than the
     # start. The bound comes first: no target below it is tried.
     time_bound: TimeBound | None = None
-    if (
-        objective is Objective.ITERATION_TIME
-        and settings.patterns
-        and LEVEL_MIN_SITES < len(inst.sites) <= LEVEL_MAX_SITES
-        and seed is not None
-    ):
+    if with_levels and seed is not None:
         time_bound = iteration_time_bound(inst)
         share = settings.time_limit * (1 - FINISH_SHARE) * LEVEL_SHARE
         levels = level_search(
