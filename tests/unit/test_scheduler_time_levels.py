@@ -17,7 +17,7 @@ from cpn.scheduler.bruteforce import brute_force
 from cpn.scheduler.instance import Instance, build_instance
 from cpn.scheduler.realize import Counts, counts_of, evaluate_shards, realize, to_plan
 from cpn.scheduler.solve import objective_key
-from cpn.scheduler.time_decision import decision_model
+from cpn.scheduler.time_decision import Decision, decision_model
 from cpn.scheduler.time_flows import balanced_flows
 from cpn.scheduler.time_levels import (
     ATTEMPT_DTIME,
@@ -70,6 +70,24 @@ def test_a_placement_is_a_solution_at_its_own_level_in_the_hint_s_names(
     assert solver.solve(model) == cp_model.OPTIMAL
 
 
+def _placed_solutions(inst: Instance, decision: Decision, most: int | None = None) -> list[bool]:
+    """For each solution of the decision model (up to `most`): whether it goes onto the
+    nodes."""
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.enumerate_all_solutions = True
+    seen: list[bool] = []
+
+    class Check(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self) -> None:
+            seen.append(placement(inst, decision, self) is not None)
+            if most is not None and len(seen) >= most:
+                self.stop_search()
+
+    solver.solve(decision.model, Check())
+    return seen
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_cases(), st.sampled_from([1.0, 2.0]))
 def test_every_solution_of_the_decision_model_goes_onto_the_nodes(
@@ -87,18 +105,7 @@ def test_every_solution_of_the_decision_model_goes_onto_the_nodes(
     decision = decision_model(
         inst, ev.dp_sync * slack + 1e-9, ev.iteration_seconds * slack * 1.01, range(inst.pp)
     )
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.enumerate_all_solutions = True
-    seen = []
-
-    class Check(cp_model.CpSolverSolutionCallback):
-        def on_solution_callback(self) -> None:
-            seen.append(placement(inst, decision, self) is not None)
-            if len(seen) >= 50:
-                self.stop_search()
-
-    solver.solve(decision.model, Check())
+    seen = _placed_solutions(inst, decision, most=50)
     assert seen and all(seen)
 
 
@@ -125,16 +132,7 @@ def test_a_site_s_big_nodes_are_not_promised_to_two_stages() -> None:
         docs.append(doc)
     inst = build_instance(topology(docs, [link("a", "b")]), w)
     decision = decision_model(inst, 1e6, 1e7, range(inst.pp))  # every placement's level
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.enumerate_all_solutions = True
-    seen = []
-
-    class Check(cp_model.CpSolverSolutionCallback):
-        def on_solution_callback(self) -> None:
-            seen.append(placement(inst, decision, self) is not None)
-
-    solver.solve(decision.model, Check())
+    seen = _placed_solutions(inst, decision)
     assert len(seen) > 1 and all(seen), seen
 
 
