@@ -175,7 +175,7 @@ def level_search(
         prm.cp_model_presolve = False
         prm.random_seed = seed
         prm.max_deterministic_time = cap
-        prm.max_time_in_seconds = min(left, 4 * cap / DTIME_PER_SECOND)  # a safety net
+        prm.max_time_in_seconds = min(left, 1.0 + 4 * cap / DTIME_PER_SECOND)  # safety net
         status = solver.solve(model)
         counted = solver.deterministic_time + overhead(model)
         spent += counted
