@@ -26,6 +26,7 @@ from cpn.scheduler.time_bound import (
     TimeBound,
     _carried_hop,
     _clique_floor,
+    _largest_cliques,
     iteration_time_bound,
     peel,
 )
@@ -213,6 +214,50 @@ def test_the_clique_floor_is_the_least_slowest_pair_of_a_roomy_set_or_below(
     event(f"equal to the least such set: {full == exact}")
     cut = _clique_floor(cost, room, k, need, 0.0, [data.draw(st.integers(0, 4))])
     assert cut <= full
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_largest_cliques_are_those_of_every_subset_on_sparse_and_dense_graphs(
+    data: st.DataObject,
+) -> None:
+    # `_largest_cliques` answers by networkx below half the pairs and by CP-SAT on the
+    # missing pairs above; both must give the largest clique's size and room exactly (the
+    # CP-SAT cap does not bind on graphs this small). Densities span both sides.
+    n = data.draw(st.integers(2, 9))
+    density = data.draw(st.sampled_from([0.1, 0.4, 0.6, 0.9, 1.0]))
+    near = np.zeros((n, n), dtype=np.bool_)
+    for i, j in itertools.combinations(range(n), 2):
+        near[i, j] = near[j, i] = data.draw(st.floats(0, 1)) < density
+    equal = data.draw(st.booleans())
+    if equal:
+        room = np.full(n, data.draw(st.integers(1, 4)), dtype=np.int64)
+    else:
+        room = np.array(data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)))
+    cliques = [
+        subset
+        for size in range(1, n + 1)
+        for subset in itertools.combinations(range(n), size)
+        if all(near[i, j] for i, j in itertools.combinations(subset, 2))
+    ]
+    expected = (max(map(len, cliques)), max(int(room[list(c)].sum()) for c in cliques))
+    assert _largest_cliques(near, room, equal) == expected
+    event(f"dense (CP-SAT): {4 * int(np.triu(near, 1).sum()) > n * (n - 1)}")
+
+
+def test_a_128_site_graph_missing_a_few_pairs_has_its_exact_largest_clique() -> None:
+    # The graph that took networkx 4 s (128 sites, a handful of pairs missing); on the
+    # CP-SAT side the answer is exact: the missing pairs form a matching of 5 pairs and
+    # a triangle, so the largest clique drops one site of each pair and two of the
+    # triangle (128 − 5 − 2 = 121 sites); for room it drops the smaller site of each
+    # (each of room 3), keeping 121 sites of room 8.
+    n = 128
+    near = ~np.eye(n, dtype=np.bool_)
+    for a, b in [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (11, 12), (10, 12)]:
+        near[a, b] = near[b, a] = False
+    room = np.full(n, 8, dtype=np.int64)
+    room[[0, 2, 4, 6, 8, 10, 11]] = 3
+    assert _largest_cliques(near, room, False) == (121, 121 * 8)
 
 
 def test_the_clique_floor_lifts_the_homogeneous_16_site_bound() -> None:
