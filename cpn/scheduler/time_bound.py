@@ -64,6 +64,9 @@ CLIQUE_SEARCHES = 24
 #: 128-site graphs measured took at most 0.09.
 CLIQUE_DTIME = 0.5
 
+#: What a stage's pair costs over k sites depend on: sync volume, steps, host group, k.
+StarKey = tuple[float, int, int, int]
+
 
 @dataclass(frozen=True)
 class TimeBound:
@@ -258,21 +261,26 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
             r += 1
         whole_room |= dict.fromkeys(cls.sites, r)
     whole_hosts = tuple(i for i, s in enumerate(sites) if whole_room[s] > 0)
-    cost_cache: dict[
-        tuple[float, int, tuple[int, ...], tuple[int, ...], int],
-        tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]],
-    ] = {}
+    # Stages with the same hosts and rooms meet the same pairs: one id for each such group,
+    # so the caches below key on (volume, steps, group, k) rather than hashing a tuple of
+    # every host on each lookup (at 128 sites that hashing took a tenth of the bound).
+    group_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    groups: dict[tuple[int, bool], tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
+    for p in range(pp):
+        for of_whole in (False, True):
+            g_hosts = whole_hosts if of_whole else hosts_of[p]
+            if of_whole:
+                g_room = tuple(whole_room[sites[i]] for i in g_hosts)
+            else:
+                g_room = tuple(caps[(p, sites[i])] for i in g_hosts)
+            gid = group_ids.setdefault((g_hosts, g_room), len(group_ids))
+            groups[(p, of_whole)] = (gid, g_hosts, g_room)
+    cost_cache: dict[StarKey, tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]] = {}
 
-    def star_key(
-        p: int, k: int, whole: bool = False
-    ) -> tuple[float, int, tuple[int, ...], tuple[int, ...], int]:
-        """The hosts of stage p and their rooms, with `whole` those of whole replicas."""
-        hosts = whole_hosts if whole else hosts_of[p]
-        if whole:
-            room_of = tuple(whole_room[sites[i]] for i in hosts)
-        else:
-            room_of = tuple(caps[(p, sites[i])] for i in hosts)
-        return (w.dp_wan_per_leader(p, k), w.dp_wan_steps(k), hosts, room_of, k)
+    def star_key(p: int, k: int, whole: bool = False) -> StarKey:
+        """What stage p's pairs cost over k sites depends on: its sync volume and steps,
+        and its hosts and their rooms (with `whole`, those of whole replicas)."""
+        return (w.dp_wan_per_leader(p, k), w.dp_wan_steps(k), groups[(p, whole)][0], k)
 
     def pair_cost(
         p: int, k: int, whole: bool = False
@@ -282,7 +290,8 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         is paid. The diagonal is inf."""
         key = star_key(p, k, whole)
         if key not in cost_cache:
-            volume, steps, hosts, room_of, _ = key
+            volume, steps, _, _ = key
+            _, hosts, room_of = groups[(p, whole)]
             idx = np.ix_(hosts, hosts)
             cost = steps * per_msg[idx] + volume * per_byte[idx]
             cost = np.minimum(cost, cost.T)
@@ -290,12 +299,10 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
             cost_cache[key] = (cost, np.array(room_of, dtype=np.int64))
         return cost_cache[key]
 
-    star_cache: dict[
-        tuple[float, int, tuple[int, ...], tuple[int, ...], int], npt.NDArray[np.float64]
-    ] = {}
+    star_cache: dict[StarKey, npt.NDArray[np.float64]] = {}
 
     def star(p: int, k: int, whole: bool = False) -> npt.NDArray[np.float64]:
-        """Per host of stage p (in `star_key`'s order; with `whole`, the hosts of whole
+        """Per host of stage p (in the order of its hosts; with `whole`, the hosts of whole
         replicas): the least slowest pair of any k sites that include it and can hold
         the stage's dp replicas.
 
@@ -314,9 +321,14 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         partner_room = room[order]
         values = np.unique(room)
         steps_v = np.diff(np.concatenate([[0], values]))
-        # at_least[a, j, v]: partners among a's j + 1 cheapest with room ≥ values[v].
-        at_least = np.cumsum(partner_room[:, :, None] >= values[None, None, :], axis=1)
-        top = (steps_v[None, None, :] * np.minimum(k - 1, at_least)).sum(axis=2)
+        # at_least[a, j, v]: partners among a's j + 1 cheapest with room ≥ values[v]. In
+        # int32 (counts of sites; (k − 1)·dp per term), half the memory traffic of int64:
+        # this cumsum was the bound's largest cost at 128 sites.
+        at_least = np.cumsum(
+            partner_room[:, :, None] >= values[None, None, :], axis=1, dtype=np.int32
+        )
+        np.minimum(at_least, k - 1, out=at_least)
+        top = (at_least * steps_v.astype(np.int32)[None, None, :]).sum(axis=2, dtype=np.int64)
         enough = (top >= (dp - room)[:, None]) & (np.arange(len(room)) >= k - 2)[None, :]
         enough &= np.isfinite(ranked)
         first = enough.argmax(axis=1)
@@ -324,7 +336,7 @@ def iteration_time_bound(inst: Instance) -> TimeBound:
         star_cache[key] = ecc
         return ecc
 
-    clique_cache: dict[tuple[float, int, tuple[int, ...], tuple[int, ...], int], float] = {}
+    clique_cache: dict[StarKey, float] = {}
     # Part A's searches have their own count, so they take none from the other parts'.
     searches = {False: [CLIQUE_SEARCHES], True: [CLIQUE_SEARCHES]}
     cliques_seen: dict[bytes, tuple[int, int]] = {}
