@@ -301,6 +301,23 @@ def _annealed(
     return None if best is None else best[1]
 
 
+def time_model(
+    inst: Instance, counts: Counts, objective: Objective, bound: TimeBound | None
+) -> PlacementModel:
+    """Phase 2's CP-SAT model with iteration time, around `counts`: for the time objective
+    or up to `FULL_TIME_MODEL_SITES` sites the shards move freely; otherwise (bytes on many
+    sites) the counts stay and only the flows between sites are chosen. With `bound`,
+    CP-SAT may stop at a placement that meets it."""
+    arcs = {k for k in counts.flows if k[1] != k[2]}
+    full = len(inst.sites) <= FULL_TIME_MODEL_SITES or objective is Objective.ITERATION_TIME
+    timed = PlacementModel(inst, with_time=True, extra_arcs=arcs, fixed=None if full else counts)
+    if bound is not None and timed.time_ps is not None:
+        # CP-SAT may stop when a placement meets the bound (less the model's rounding).
+        floor_ps = math.floor(bound.seconds * PS * (1 - TIME_MODEL_TOLERANCE))
+        timed.m.add(timed.time_ps >= floor_ps)
+    return timed
+
+
 def solve_instance(inst: Instance, objective: Objective, settings: SolverSettings) -> Solved:
     """Place one instance (all its candidate sites joined by the WAN)."""
     start = time.perf_counter()
@@ -324,12 +341,23 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     )
 
     # Phase 0 (time, large networks): anneal the clustered starts' block positions.
-    if (
+    anneals = (
         objective is Objective.ITERATION_TIME
         and settings.patterns
         and FULL_TIME_MODEL_SITES < len(inst.sites) <= ANNEAL_MAX_SITES
-        and clustered
-    ):
+        and bool(clustered)
+    )
+    # Beyond the sync-level search's sites the annealer takes its whole share and the
+    # CP-SAT time model is not built: at 128 sites its build alone took 2.7–3.2 s and it
+    # was left 0.04 s to search, with a 10 s budget and with 30 s alike (four networks,
+    # 2026-11-29), so it only pushed the solve past its budget.
+    annealed_only = anneals and not with_levels and len(inst.sites) > LEVEL_MAX_SITES
+    time_bound: TimeBound | None = None
+    if annealed_only:
+        # The bound before the annealer (2–4.5 s at 128 sites), so that the annealer's
+        # clock net is what the budget has left after it.
+        time_bound = iteration_time_bound(inst)
+    if anneals:
         anneal_share = ANNEAL_SHARE_WITH_LEVELS if with_levels else ANNEAL_SHARE
         share = settings.time_limit * (1 - FINISH_SHARE) * anneal_share
         annealed = _annealed(inst, clustered, share, min(2 * share, left()))
@@ -342,7 +370,6 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
 
     # Phase 0 (time, 9 to 64 sites): placements at chosen sync levels, faster than the
     # start. The bound comes first: no target below it is tried.
-    time_bound: TimeBound | None = None
     if with_levels and seed is not None:
         time_bound = iteration_time_bound(inst)
         share = settings.time_limit * (1 - FINISH_SHARE) * LEVEL_SHARE
@@ -412,20 +439,17 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
             counts = seed  # start the time search from the faster of the two
         if settings.patterns and time_bound is None:
             time_bound = iteration_time_bound(inst)
-    arcs = {k for k in counts.flows if k[1] != k[2]}
-    full = len(inst.sites) <= FULL_TIME_MODEL_SITES or objective is Objective.ITERATION_TIME
-    timed = PlacementModel(inst, with_time=True, extra_arcs=arcs, fixed=None if full else counts)
-    if time_bound is not None and timed.time_ps is not None:
-        # CP-SAT may stop when a placement meets the bound (less the model's rounding).
-        floor_ps = math.floor(time_bound.seconds * PS * (1 - TIME_MODEL_TOLERANCE))
-        timed.m.add(timed.time_ps >= floor_ps)
     primary: PhaseReport | None = bytes_phase if objective is Objective.WAN_BYTES else None
-    if objective is Objective.WAN_BYTES:
+    if annealed_only:
+        pass  # the annealer's plan is final (see `annealed_only`)
+    elif objective is Objective.WAN_BYTES:
         cap = (Objective.WAN_BYTES, best_units) if best_units is not None else None
+        timed = time_model(inst, counts, objective, time_bound)
         second = optimise(timed, Objective.ITERATION_TIME, counts, settings, left(), cap)
         if second is not None:
             counts = second.counts
     else:
+        timed = time_model(inst, counts, objective, time_bound)
         second = optimise(timed, Objective.ITERATION_TIME, counts, settings, left() * 0.75)
         if second is not None:
             primary = second.report

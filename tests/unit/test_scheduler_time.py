@@ -17,7 +17,7 @@ from ortools.sat.python import cp_model
 from cpn.contracts import JobSpec, ShardPlacement, Topology
 from cpn.costmodel import Workload
 from cpn.errors import InfeasibleError
-from cpn.scheduler import Objective
+from cpn.scheduler import Objective, SolverSettings, plan_job
 from cpn.scheduler.bruteforce import brute_force
 from cpn.scheduler.instance import Instance, build_instance
 from cpn.scheduler.realize import Counts, complete_flows, counts_of, evaluate_shards, realize
@@ -35,6 +35,7 @@ from cpn.scheduler.time_decision import decision_model
 from cpn.scheduler.time_flows import balanced_flows, boundary_flows
 from cpn.synthetic import benchmark_job, generate_topology
 from tests.factories import job, link, site, topology
+from tests.plan_checks import assert_valid_plan
 from tests.scheduler_cases import instance_or_reject, tiny_cases
 
 SLOW_OK = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -468,3 +469,26 @@ def test_split_components_report_the_least_bound_with_its_own_prover() -> None:
     tied = report("HEURISTIC", 3.0, 1.5, None)
     combined = least_of_components(chosen, [tied, by_solver, chosen])
     assert (combined.bound, combined.proved_by) == (1.5, "CP-SAT")
+
+
+def test_beyond_64_sites_the_annealed_plan_is_reported_against_the_time_bound() -> None:
+    # From 65 to 128 sites the annealer's plan is final (no CP-SAT time model: at 128
+    # sites its build alone outlasted the budget). The plan must still be valid, no
+    # slower than the best start, and its gap measured against the time bound.
+    topo = generate_topology(72, 1152, heterogeneous=True, seed=5)
+    spec = benchmark_job(1152, compression="topk")
+    plan = plan_job(
+        topo, spec, objective=Objective.ITERATION_TIME, settings=SolverSettings(time_limit=3.0)
+    )
+    assert_valid_plan(plan, topo, spec)
+    inst = build_instance(topo, Workload.of(spec))
+    best_start = evaluate_shards(
+        inst, realize(inst, _starting_points(inst, Objective.ITERATION_TIME)[0])
+    )
+    assert plan.predicted_iteration_seconds <= best_start.iteration_seconds * (1 + 1e-9)
+    bound = iteration_time_bound(inst).seconds
+    assert plan.solver.proved_by == "time bound"
+    assert plan.solver.bound == pytest.approx(bound, rel=1e-12)
+    assert plan.solver.gap == pytest.approx(
+        (plan.predicted_iteration_seconds - bound) / plan.predicted_iteration_seconds, rel=1e-9
+    )
