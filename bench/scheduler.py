@@ -52,7 +52,7 @@ from cpn.synthetic import benchmark_job, generate_topology
 
 SIZES = [(4, 64), (8, 512), (16, 512), (16, 4096), (64, 4096), (256, 16384)]
 QUICK_SIZES = [(4, 64), (8, 512), (16, 512)]
-TIME_SIZES = [(16, 4096), (64, 4096)]
+TIME_SIZES = [(16, 4096), (64, 4096), (128, 8192)]
 #: Budget of one placement, by number of sites.
 LIMITS = {256: 30.0}
 DEFAULT_LIMIT = 10.0
