@@ -351,7 +351,7 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
     # CP-SAT time model is not built: at 128 sites its build alone took 2.7–3.2 s and it
     # was left 0.04 s to search, with a 10 s budget and with 30 s alike (four networks,
     # 2026-11-29), so it only pushed the solve past its budget.
-    annealed_only = anneals and not with_levels and len(inst.sites) > LEVEL_MAX_SITES
+    annealed_only = anneals and len(inst.sites) > LEVEL_MAX_SITES
     time_bound: TimeBound | None = None
     if annealed_only:
         # The bound before the annealer (2–4.5 s at 128 sites), so that the annealer's
@@ -440,15 +440,13 @@ def solve_instance(inst: Instance, objective: Objective, settings: SolverSetting
         if settings.patterns and time_bound is None:
             time_bound = iteration_time_bound(inst)
     primary: PhaseReport | None = bytes_phase if objective is Objective.WAN_BYTES else None
-    if annealed_only:
-        pass  # the annealer's plan is final (see `annealed_only`)
-    elif objective is Objective.WAN_BYTES:
+    if objective is Objective.WAN_BYTES:
         cap = (Objective.WAN_BYTES, best_units) if best_units is not None else None
         timed = time_model(inst, counts, objective, time_bound)
         second = optimise(timed, Objective.ITERATION_TIME, counts, settings, left(), cap)
         if second is not None:
             counts = second.counts
-    else:
+    elif not annealed_only:  # with `annealed_only` the annealer's plan is final
         timed = time_model(inst, counts, objective, time_bound)
         second = optimise(timed, Objective.ITERATION_TIME, counts, settings, left() * 0.75)
         if second is not None:
