@@ -55,6 +55,7 @@ from sqlalchemy import event, insert, select
 from sqlalchemy.orm import Session, selectinload
 
 from api import create_app
+from cpn.listen_ports import free_port  # the one probe for a free port
 from cpn.registry import Registry, build_topology, upgrade
 from cpn.registry.models import (
     Agent,
@@ -70,7 +71,6 @@ from cpn.registry.models import (
     Site,
     WanLink,
 )
-from tests.processes import free_port  # the one probe for a free port
 
 PG_ADMIN = os.environ.get("CPN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 GPUS_PER_NODE = 8

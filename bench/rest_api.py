@@ -62,9 +62,9 @@ import psycopg
 from rich.console import Console
 from rich.table import Table
 
+from cpn.listen_ports import free_port  # the one probe for a free port
 from proto.cpn.v1 import agent_pb2 as pb
 from proto.cpn.v1 import agent_pb2_grpc
-from tests.processes import free_port  # the one probe for a free port
 
 PG_ADMIN = os.environ.get("CPN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 CPN = [sys.executable, "-m", "cpn"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from wan_sync import RANKS_PER_SITE, SITES, RankFailed, Run, Setup, SyncConfig, held_out_loss
 
 from cpn import wire
+from cpn.listen_ports import free_port
 from cpn.train.data import BatchSource
 from cpn.train.model import GPTConfig, GPTStage
 from cpn.train.trainer import learning_rate
@@ -59,12 +59,6 @@ def unavailable() -> str | None:
     if find_spec("torchft") is None:
         return "torchft is not installed (optional: pip install torchft 'torch==2.13.0')"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker(spec_path: Path, rank: int) -> None:
@@ -197,7 +191,7 @@ def launch(config: SyncConfig, setup: Setup, workdir: Path) -> Run:
         "out": str(workdir),
         "timeout_s": 300.0,
         "lighthouse": lighthouse.address(),
-        "store_ports": [_free_port() for _ in SITES],
+        "store_ports": [free_port("127.0.0.1") for _ in SITES],
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))

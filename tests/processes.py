@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,39 +17,6 @@ import httpx
 
 CPN = [sys.executable, "-m", "cpn"]
 TOKENS = {"a": "token-site-a", "b": "token-site-b", "c": "token-site-c"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port_block(n: int) -> int:
-    """The first of `n` consecutive ports, each free now, below the kernel's ephemeral
-    range: a rendezvous port in that range can be taken at any moment by an outgoing
-    connection of another test's workers (a launcher then cannot serve its store — seen
-    once in CI as "the launcher exited with 1"). Drawn at random so that clusters of
-    parallel test workers rarely share a block (a shared one still works: each port is
-    bound only by the job that holds it)."""
-    high = _ephemeral_low() - n
-    for _ in range(200):
-        base = random.randrange(20000, high)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} free ports in a row below {high + n}")
 
 
 def write_tokens(path: Path) -> Path:

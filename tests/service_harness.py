@@ -14,12 +14,11 @@ import httpx
 
 from api.job_schemas import EventPublic
 from cpn.client import ApiError, CpnClient
+from cpn.listen_ports import free_port, free_port_block
 from tests.processes import (
     CPN,
     Proc,
     agent_argv,
-    free_port,
-    free_port_block,
     serve_argv,
     wait_until,
     write_tokens,

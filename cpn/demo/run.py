@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from cpn.contracts import JobSpec, LinkSpec, Topology
 from cpn.costmodel import Placement, Workload, evaluate
 from cpn.demo.report import DemoReport, LinkRow, SiteRow
 from cpn.errors import CpnError, InputError
+from cpn.listen_ports import free_port
 from cpn.network import SiteGraph
 from cpn.train.report import read_metrics, summarise
 
@@ -203,12 +203,6 @@ def _ignore_interrupts() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(what: str, condition: Callable[[], Any], timeout: float, procs: _Procs) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -322,7 +316,7 @@ def _run(
     began: float,
 ) -> DemoReport:
     host = wan.host_address if wan is not None else "127.0.0.1"
-    grpc_port, http_port = _free_port(host), _free_port(host)
+    grpc_port, http_port = free_port(host), free_port(host)
     db_url = f"sqlite:///{workdir}/cpn.db"
     tokens = workdir / "site-tokens.yaml"
     tokens.write_text("".join(f"{s.name}: {s.token}\n" for s in SITES))
@@ -350,7 +344,7 @@ def _run(
             prefix, probe_host, probe_port = wan.prefix(i), wan.address(i), PROBE_PORT
             env = {"GLOO_SOCKET_IFNAME": wan.interface}
         else:
-            prefix, probe_host, probe_port = [], "127.0.0.1", _free_port("127.0.0.1")
+            prefix, probe_host, probe_port = [], "127.0.0.1", free_port("127.0.0.1")
             env = {}
         procs.start(
             f"agent-{site.name}",

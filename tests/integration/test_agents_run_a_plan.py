@@ -15,11 +15,12 @@ import yaml
 from sqlalchemy import select
 
 from cpn.contracts import JobSpec, Reservations, Topology
+from cpn.listen_ports import free_port
 from cpn.registry import allocate_gpus, build_topology, create_job
 from cpn.registry.models import Task, TaskState
 from cpn.scheduler import plan_job
 from tests.control_harness import ServerThread, control_server
-from tests.processes import Proc, agent_argv, free_port, wait_until
+from tests.processes import Proc, agent_argv, wait_until
 
 STEPS = 4
 JOB = {

@@ -21,8 +21,9 @@ import yaml
 
 from cpn.control import SiteTokens
 from cpn.demo.run import SITES, demo_job
+from cpn.listen_ports import free_port
 from tests.databases import PostgresDatabases
-from tests.processes import CPN, Proc, free_port, sites, wait_until
+from tests.processes import CPN, Proc, sites, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ("agent-beijing", "agent-shanghai", "agent-guiyang")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import Proc, agent_argv, free_port, serve_argv, sites, wait_until, write_tokens
+from cpn.listen_ports import free_port
+from tests.processes import Proc, agent_argv, serve_argv, sites, wait_until, write_tokens
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TTL = 3.0

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from cpn.listen_ports import free_port
 from tests.integration.runtime import tiny_job, write_run
-from tests.processes import free_port, wait_until
+from tests.processes import wait_until
 
 pytestmark = pytest.mark.slow
 

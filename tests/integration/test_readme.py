@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import CPN, free_port
+from cpn.listen_ports import free_port
+from tests.processes import CPN
 
 pytestmark = pytest.mark.slow
 

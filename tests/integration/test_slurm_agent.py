@@ -23,8 +23,9 @@ import pytest
 
 from api.job_schemas import JobPublic
 from cpn.client import CpnClient
+from cpn.listen_ports import free_port_block
 from cpn.train.report import summarise
-from tests.processes import CPN, free_port_block, wait_until
+from tests.processes import CPN, wait_until
 from tests.service_harness import Cluster, cluster, make_key, rescheduled, tiny_job
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 

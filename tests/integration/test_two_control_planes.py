@@ -17,10 +17,11 @@ import pytest
 from sqlalchemy import select
 
 from cpn.client import ApiError, CpnClient
+from cpn.listen_ports import free_port
 from cpn.registry import Registry
 from cpn.registry.models import Allocation, Job, Order
 from tests.databases import PostgresDatabases
-from tests.processes import Proc, agent_argv, free_port, serve_argv, wait_until, write_tokens
+from tests.processes import Proc, agent_argv, serve_argv, wait_until, write_tokens
 from tests.service_harness import make_key, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]

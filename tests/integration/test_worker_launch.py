@@ -12,9 +12,10 @@ import pytest
 from sqlalchemy import select
 
 from cpn.contracts import Plan
+from cpn.listen_ports import free_port
 from cpn.registry.models import Task, TaskState
 from tests.control_harness import ServerThread, control_server
-from tests.processes import Proc, agent_argv, free_port, wait_until
+from tests.processes import Proc, agent_argv, wait_until
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "report_worker.py"
 Setup = tuple[ServerThread, Proc, Path]

@@ -188,10 +188,11 @@ def test_serve_takes_its_settings_from_the_environment(tmp_path: Path) -> None:
     variable; a bad variable is one line naming it."""
     import grpc  # noqa: PLC0415
 
+    from cpn.listen_ports import free_port  # noqa: PLC0415
     from proto.cpn.v1 import agent_pb2 as pb  # noqa: PLC0415
     from proto.cpn.v1 import agent_pb2_grpc  # noqa: PLC0415
     from tests.control_harness import inventory  # noqa: PLC0415
-    from tests.processes import Proc, free_port, serve_argv, wait_until  # noqa: PLC0415
+    from tests.processes import Proc, serve_argv, wait_until  # noqa: PLC0415
 
     tokens = write_tokens(tmp_path / "tokens.yaml")
     grpc_port, http_port = free_port(), free_port()

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from cpn.contracts import load_job
+from cpn.listen_ports import free_port
 from cpn.scheduler import SolverSettings, plan_job
 from tests.factories import job, site, topology
-from tests.processes import free_port
 from tests.unit.test_checkpoint_store import write_checkpoint
 
 

@@ -22,11 +22,11 @@ from api import create_app
 from cpn.client import ApiError, CpnClient
 from cpn.client.client import EVENTS_PAGE, METRICS_PAGE
 from cpn.errors import InputError
+from cpn.listen_ports import free_port
 from cpn.orchestration.tenants import create_key
 from cpn.registry import Registry
 from cpn.registry.events import EventKind, record_event
 from cpn.registry.models import Event, JobStep
-from tests.processes import free_port
 from tests.service_harness import tiny_job
 
 

@@ -19,10 +19,11 @@ from fastapi.testclient import TestClient
 from api import create_app
 from cpn.client import ApiError, CpnClient
 from cpn.control.settings import ControlSettings
+from cpn.listen_ports import free_port
 from cpn.orchestration.tenants import create_key, revoke_key
 from cpn.registry import Registry
 from cpn.registry.models import JobLogLine
-from tests.processes import CPN, Proc, free_port, serve_argv, wait_until, write_tokens
+from tests.processes import CPN, Proc, serve_argv, wait_until, write_tokens
 from tests.service_harness import make_key, tiny_job
 
 
