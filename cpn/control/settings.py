@@ -36,10 +36,11 @@ class ControlSettings(BaseSettings):
     heartbeat_interval_s: float = Field(default=3.0, gt=0, description="asked of agents")
     reaper_interval_s: float = Field(default=0.5, gt=0)
     restart_grace_s: float = Field(
-        default=30.0,
+        default=45.0,
         gt=0,
         description="after a restart, agents the database calls alive get this long (at "
-        "least one lease TTL) to register again: agents retry with backoff up to 30 s",
+        "least one lease TTL) to register again: agents retry with backoff up to 30 s, "
+        "then need time to connect and register on a loaded machine",
     )
     flush_interval_s: float = Field(default=0.5, gt=0, description="heartbeat batch writes")
     order_poll_s: float | None = Field(

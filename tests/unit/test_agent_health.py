@@ -43,9 +43,9 @@ def test_a_port_going_down_degrades_health(tmp_path: Path) -> None:
 
 def test_backoff_grows_to_its_cap_and_resets() -> None:
     backoff = Backoff(initial_s=0.5, max_s=4.0, current_s=0.5)
-    delays = [backoff.next() for _ in range(6)]
+    delays = [backoff.next() for _ in range(20)]
     assert 0.4 <= delays[0] <= 0.6
     assert all(later >= earlier * 0.6 for earlier, later in pairwise(delays))
-    assert max(delays) <= 4.0 * 1.2
+    assert max(delays) <= 4.0  # the cap holds with the jitter: restart grace is sized on it
     backoff.reset()
     assert backoff.next() <= 0.6
