@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Collection
 
 import grpc
 from grpc import aio
@@ -137,13 +138,29 @@ def _kubernetes(config: AgentConfig, k8s: KubernetesSettings) -> SiteBackend:
     return KubernetesBackend(options, config.agent_id, client.ApiClient(configuration))
 
 
-def site_inventory(capacity: Capacity, config: AgentConfig, backend: SiteBackend) -> pb.Inventory:
-    """A site engine's usable nodes as the registry's inventory: each node's GPUs as the
+def site_inventory(
+    capacity: Capacity,
+    config: AgentConfig,
+    backend: SiteBackend,
+    held: Collection[tuple[str, int]] = (),
+) -> pb.Inventory:
+    """A site engine's nodes as the registry's inventory: each usable node's GPUs as the
     engine counts them, described by the virtual-GPU flags (model from Slurm's GRES type
-    when it names one)."""
+    when it names one).
+
+    A node the engine no longer offers (down, drained, not responding) still lists the
+    GPUs that a launch of this agent runs on (`held`: (node, GPU) pairs), and only those:
+    nothing new can be placed there, and the launch's fate is the engine's word, reported
+    when it ends (Slurm lets running jobs finish on a draining node, and fails them itself
+    — NODE_FAIL — when a node that stopped answering is declared down). Dropping them
+    at once would plan the job again on a ping that a loaded node missed for a moment."""
     nodes = []
     for n in capacity.nodes:
-        if not n.usable or n.gpus == 0:
+        if n.usable:
+            indices = list(range(n.gpus))
+        else:
+            indices = sorted(gpu for node, gpu in set(held) if node == n.name)
+        if not indices:
             continue
         kind = backend.gpu_type(n.name) if isinstance(backend, SlurmBackend) else ""
         gpus = [
@@ -155,7 +172,7 @@ def site_inventory(capacity: Capacity, config: AgentConfig, backend: SiteBackend
                 source="virtual",
                 tflops=config.virtual.tflops,
             )
-            for i in range(n.gpus)
+            for i in indices
         ]
         nodes.append(node_message(n.name, gpus, [], config.intra_node_gbps))
     return pb.Inventory(nodes=nodes)
@@ -199,17 +216,17 @@ class Agent:
                     f"--tls-ca: {self.config.tls_ca}: cannot read ({exc.strerror})"
                 ) from None
         engine = self.launches.engine
+        capacity = None
         if engine.site_wide:
             try:
                 await engine.check()
                 capacity = await engine.capacity()
             except BackendError as exc:
                 raise AgentError(str(exc)) from None
-            self.inventory = site_inventory(capacity, self.config, engine)
             log.info(
                 "%s: %d nodes, %d GPUs usable",
                 engine.name,
-                len(self.inventory.nodes),
+                sum(1 for n in capacity.nodes if n.usable and n.gpus),
                 capacity.gpus,
             )
         else:
@@ -228,6 +245,10 @@ class Agent:
             await self.launches.adopt()
         except BackendError as exc:
             raise AgentError(f"cannot look for running launches: {exc}") from None
+        if capacity is not None:  # after adopting: the nodes its launches hold stay
+            self.inventory = site_inventory(
+                capacity, self.config, engine, self.launches.busy_gpus()
+            )
         backoff = Backoff(max_s=self.config.max_backoff_s)
         fence = asyncio.create_task(self._fence(), name="cpn-fence")
         try:
@@ -361,7 +382,7 @@ class Agent:
         except BackendError as exc:
             log.warning("site capacity unknown: %s", exc)
             return
-        inventory = site_inventory(capacity, self.config, engine)
+        inventory = site_inventory(capacity, self.config, engine, self.launches.busy_gpus())
         if inventory == self.inventory:
             return
         before = {n.name for n in self.inventory.nodes}

@@ -111,20 +111,37 @@ def test_a_job_across_a_local_site_and_a_slurm_site(
     assert len(expected) == 4
 
 
+def _free_gpus(client: CpnClient, site: str) -> int:
+    return int(next(s["gpus_free"] for s in client.sites() if s["name"] == site))
+
+
 def test_the_slurm_agent_restarted_adopts_its_job(sites: tuple[Cluster, SlurmCluster]) -> None:
+    """Adopted across a restart, on a node drained under it: Slurm lets running jobs
+    finish on a draining node, so the agent keeps offering the GPUs its launch holds
+    there (before the restart and after it) and the job is not planned again; once the
+    launch ends the node offers nothing until it is resumed."""
     c, slurm = sites
     client = c.client(make_key(c.db_url, "bob"))
     job_id = client.submit(tiny_job("adopted", steps=300)).id
     _wait_state(client, job_id, {"running"}, 120)
     wait_until(lambda: client.job(job_id).progress.step >= 2, 120, "a few steps")
-    # Killed: whether the Slurm job is still running when the agent is back or ended while
-    # it was away (on a loaded machine either may happen), the agent adopts it.
-    c.restart_agent("b")
-    job = _wait_state(client, job_id, {"succeeded", "failed"}, 300)
-    assert job.state.value == "succeeded", (job.reason, job.failure)
-    assert len(_slurm_jobs(slurm, job_id)) == 1  # adopted, not launched again
-    assert "adopted slurm" in c.agents["b"].text()
-    assert job.progress.step == 300
+    slurm.run("scontrol", "update", "nodename=node2", "state=drain", "reason=cpn-test")
+    try:
+        # Killed: whether the Slurm job is still running when the agent is back or ended
+        # while it was away (on a loaded machine either may happen), the agent adopts it.
+        c.restart_agent("b")
+        job = _wait_state(client, job_id, {"succeeded", "failed"}, 300)
+        log = c.agents["b"].text()
+        assert job.state.value == "succeeded", (job.reason, job.failure, log[-3000:])
+        # Adopted, not launched again (one Slurm job, one epoch, nothing lost).
+        assert len(_slurm_jobs(slurm, job_id)) == 1, (job.epoch, job.reason, log[-3000:])
+        assert (job.epoch, job.losses, job.restarts) == (1, 0, 0)
+        assert "adopted slurm" in log
+        assert job.progress.step == 300
+        wait_until(lambda: _free_gpus(client, "b") == 1, 60, "drained node2 offered no more")
+    finally:
+        slurm.run("scontrol", "update", "nodename=node2", "state=resume")
+    wait_until(lambda: _free_gpus(client, "b") == 2, 60, "node2 offered again")
 
 
 def test_an_agent_restarted_within_its_lease_has_its_job_planned_again(
