@@ -359,7 +359,9 @@ class SlurmBackend:
         if spec.rdzv_port:
             port = f"CPN_RDZV_PORT={spec.rdzv_port}\n"
         else:  # node rank 0 picks a free port on its host; the others read it
-            pick = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+            # Outside the ephemeral range: the launcher binds it seconds later, after
+            # importing torch, and an outgoing connection could take a kernel's pick.
+            pick = "from cpn.listen_ports import free_port; print(free_port())"
             port = (
                 f"PORT_FILE={shlex.quote(str(port_file))}\n"
                 'if [ "$K" = 0 ]; then\n'

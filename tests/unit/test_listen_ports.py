@@ -1,5 +1,6 @@
-"""Ports chosen before a server starts: below the ephemeral range, free, and a block is
-free in a row."""
+"""Ports chosen before a server starts: outside the ephemeral range, free, never handed
+out twice, a block free in a row; hosts whose ephemeral range leaves no room still get
+a port."""
 
 from __future__ import annotations
 
@@ -8,27 +9,45 @@ import socket
 
 import pytest
 
-from cpn.listen_ports import LOWEST, ephemeral_low, free_port, free_port_block
+from cpn import listen_ports
+from cpn.listen_ports import LOWEST, ephemeral_range, free_port, free_port_block
 
 
-def test_a_port_is_below_the_ephemeral_range_and_a_server_can_listen_on_it() -> None:
-    for _ in range(20):
-        port = free_port("127.0.0.1")
-        assert LOWEST <= port < ephemeral_low()
+def test_ports_are_outside_the_ephemeral_range_listenable_and_never_repeated() -> None:
+    low, high = ephemeral_range()
+    ports = [free_port("127.0.0.1") for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        assert port >= LOWEST and not low <= port <= high
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
             s.listen()
 
 
-def test_a_block_that_meets_a_port_in_use_is_drawn_again(
+def test_a_block_that_meets_a_port_in_use_or_handed_out_is_drawn_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    base = free_port_block(8)
-    assert base >= LOWEST and base + 8 <= ephemeral_low()
+    base = free_port_block(12)  # handed out now: 12 ports free when drawn
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", base + 2))
         taken.listen()
-        # The first draw overlaps the port in use (its third port), the second is clear.
-        draws = iter([base, base + 3])
-        monkeypatch.setattr(random, "randrange", lambda *_: next(draws))
+        listen_ports._handed_out.difference_update(range(base, base + 12))
+        listen_ports._handed_out.add(base + 9)
+        # The first draw meets the port in use (its third), the second one handed out
+        # before (its fourth), the third is clear.
+        draws = iter([base, base + 6, base + 3])
+        monkeypatch.setattr(random, "choice", lambda _: next(draws))
         assert free_port_block(4) == base + 3
+
+
+def test_a_host_whose_ephemeral_range_leaves_no_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A range tuned to 1024-65535: the kernel's choice for one port, a clear error for a
+    # block (never random.randrange's ValueError on an empty range).
+    monkeypatch.setattr(listen_ports, "ephemeral_range", lambda: (1024, 65535))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port("127.0.0.1")))
+    with pytest.raises(RuntimeError, match="no 4 free ports in a row"):
+        free_port_block(4)
+    # A range from 20000: the ports above it.
+    monkeypatch.setattr(listen_ports, "ephemeral_range", lambda: (20000, 60999))
+    assert all(free_port() >= 61000 for _ in range(20))
