@@ -18,7 +18,9 @@ class Backoff:
     current_s: float = 0.5
 
     def next(self) -> float:
-        delay = min(self.current_s * random.uniform(0.8, 1.2), self.max_s)
+        delay = self.current_s * random.uniform(0.8, 1.2)
+        if delay > self.max_s:  # at the cap the jitter spreads below it only
+            delay = self.max_s * random.uniform(0.8, 1.0)
         self.current_s = min(self.current_s * 2, self.max_s)
         return delay
 
