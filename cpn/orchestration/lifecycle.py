@@ -15,6 +15,7 @@ from cpn.contracts import JobSpec
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import recovery, states
 from cpn.registry.models import (
+    FINAL_TASK_STATES,
     Agent,
     AgentStatus,
     Allocation,
@@ -176,19 +177,49 @@ def _stuck(job: Job, tasks: dict[int, Task], now: datetime) -> int | None:
 
 
 def lost_gpus(session: Session, job_ids: list[str]) -> dict[str, str]:
-    """Active jobs holding a GPU that is lost → where (site/node)."""
+    """Active jobs holding a GPU that is lost → where (site/node).
+
+    A site whose ranks of the job's current epoch have all ended is done with its GPUs:
+    a node lost there afterwards (a site engine's agent registers a drained node away
+    once the launch on it ended, while the other sites' ranks may still be finishing) is
+    no loss to the job; how the ranks ended judges it (`advance`). Counted against the
+    job's GPUs at the site (a rank per GPU), so a rank that has not reported its end
+    keeps the site in the job."""
     if not job_ids:
         return {}
     rows = session.execute(
-        select(Allocation.job_id, Site.name, Node.name)
+        select(Allocation.job_id, Site.name, Node.name, Gpu.status)
         .join(Gpu, Allocation.gpu_id == Gpu.id)
         .join(Node, Gpu.node_id == Node.id)
         .join(Site, Node.site_id == Site.id)
-        .where(Allocation.job_id.in_(job_ids), Gpu.status == GpuStatus.LOST)
+        .where(Allocation.job_id.in_(job_ids))
     )
+    held: dict[tuple[str, str], int] = {}
+    lost: dict[str, list[tuple[str, str]]] = {}
+    for job_id, site, node, status in rows:
+        held[(job_id, site)] = held.get((job_id, site), 0) + 1
+        if status is GpuStatus.LOST:
+            lost.setdefault(job_id, []).append((site, node))
+    if not lost:
+        return {}
+    ended = session.execute(
+        select(Task.job_id, Task.site)
+        .join(Job, Job.id == Task.job_id)
+        .where(
+            Task.job_id.in_(list(lost)),
+            Task.epoch == Job.epoch,
+            Task.state.in_(FINAL_TASK_STATES),
+        )
+    )
+    done: dict[tuple[str, str], int] = {}
+    for job_id, site in ended:
+        done[(job_id, site)] = done.get((job_id, site), 0) + 1
     out: dict[str, str] = {}
-    for job_id, site, node in rows:
-        out.setdefault(job_id, f"{site}/{node}")
+    for job_id, places in lost.items():
+        for site, node in sorted(places):
+            if done.get((job_id, site), 0) < held[(job_id, site)]:
+                out[job_id] = f"{site}/{node}"
+                break
     return out
 
 

@@ -16,7 +16,10 @@ from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService, Principal, lifecycle
 from cpn.orchestration.tenants import create_key
 from cpn.registry import Registry
-from cpn.registry.models import Job, JobState, Role, Task, TaskState, Tenant
+from cpn.registry.allocations import allocate_gpus, create_job
+from cpn.registry.leases import mark_lost
+from cpn.registry.models import Job, JobState, Role, Task, TaskState, Tenant, utcnow
+from tests.registry_factories import node, register
 from tests.service_harness import tiny_job
 
 #: Long enough that a test would notice a judgement that waited for it.
@@ -139,3 +142,40 @@ def test_ranks_the_engine_still_queues_are_live_and_not_an_end(registry: Registr
         row = s.get(Job, job_id)
         assert row is not None
         assert lifecycle.live_tasks(s, row) == 4
+
+
+@pytest.mark.parametrize(
+    ("b_ranks", "lost"),
+    [
+        ({}, True),  # nothing reported at b: its node's loss is the job's
+        ({2: TaskState.SUCCEEDED}, True),  # one of b's two ranks still to finish
+        ({2: TaskState.SUCCEEDED, 3: TaskState.RUNNING}, True),
+        ({2: TaskState.SUCCEEDED, 3: TaskState.SUCCEEDED}, False),  # b is done with it
+        ({2: TaskState.FAILED, 3: TaskState.STOPPED}, False),  # their end judges the job
+    ],
+)
+def test_a_node_lost_after_its_sites_ranks_all_ended_is_no_loss(
+    registry: Registry, b_ranks: dict[int, TaskState], lost: bool
+) -> None:
+    """A site engine's agent registers a drained node away once the launch on it ended,
+    while the other sites' ranks may still be finishing: the job keeps going (or is
+    judged by how the ranks ended, not as a loss)."""
+    register(registry, "a", nodes=(node("a-n0", gpus=2),))
+    b = register(registry, "b", nodes=(node("b-n0", gpus=2),))
+    with registry.write() as s:
+        create_job(s, "j", "j").epoch = 1
+        allocate_gpus(s, "j", {"a": {"a-n0": [0, 1]}, "b": {"b-n0": [0, 1]}})
+        mark_lost(s, b.agent_pk, b.lease_id, utcnow(), "test")
+        for rank in (0, 1):  # a's ranks run on
+            s.add(
+                Task(
+                    job_id="j", rank=rank, epoch=1, site="a", agent_id="x", state=TaskState.RUNNING
+                )
+            )
+        for rank, state in b_ranks.items():
+            s.add(Task(job_id="j", rank=rank, epoch=1, site="b", agent_id="x", state=state))
+        # A rank of b that succeeded in an earlier epoch does not count.
+        s.add(Task(job_id="j", rank=9, epoch=0, site="b", agent_id="x", state=TaskState.SUCCEEDED))
+        s.flush()
+        found = lifecycle.lost_gpus(s, ["j"])
+    assert found == ({"j": "b/b-n0"} if lost else {})
