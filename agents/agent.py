@@ -59,6 +59,9 @@ log = logging.getLogger("cpn.agent")
 FENCE_CHECK_S = 0.5
 #: How often a site engine's agent compares what the engine offers with what it registered.
 CAPACITY_CHECK_S = 5.0
+#: Tries at reading the engine's capacity, a second apart, before a refresh gives up
+#: (after a launch ended, the next periodic check is the next chance).
+CAPACITY_TRIES = 3
 
 REFUSALS = {
     grpc.StatusCode.UNAUTHENTICATED,
@@ -149,19 +152,25 @@ def site_inventory(
     when it names one).
 
     A node the engine no longer offers (down, drained, not responding) still lists the
-    GPUs that a launch of this agent runs on (`held`: (node, GPU) pairs), and only those:
-    nothing new can be placed there, and the launch's fate is the engine's word, reported
-    when it ends (Slurm lets running jobs finish on a draining node, and fails them itself
-    — NODE_FAIL — when a node that stopped answering is declared down). Dropping them
-    at once would plan the job again on a ping that a loaded node missed for a moment."""
+    GPUs that a started launch of this agent runs on (`held`: (node, GPU) pairs), up to
+    the highest of them, until the launch ends (a capacity check then drops the node):
+    the launch's fate is the engine's word. Slurm lets running
+    jobs finish on a draining node, and fails them itself (NODE_FAIL) when a node that
+    stopped answering is declared down; dropping the node at once planned the job again
+    on a ping that a loaded node missed for a moment."""
     nodes = []
     for n in capacity.nodes:
         if n.usable:
-            indices = list(range(n.gpus))
+            count = n.gpus
         else:
-            indices = sorted(gpu for node, gpu in set(held) if node == n.name)
-        if not indices:
+            # GPUs 0..the highest held: the protocol numbers a node's GPUs from 0, so one
+            # held GPU 5 registers 0-5 (those not held stay offered, a window that lasts
+            # until the launch ends; a job placed there waits for the node, or the engine
+            # refuses it and it is planned again).
+            count = 1 + max((gpu for node, gpu in held if node == n.name), default=-1)
+        if count == 0:
             continue
+        indices = range(count)
         kind = backend.gpu_type(n.name) if isinstance(backend, SlurmBackend) else ""
         gpus = [
             DiscoveredGpu(
@@ -188,6 +197,7 @@ class Agent:
         self.probe = ProbeServer(config.probe_host, config.probe_port)
         self.probe_address = ""
         self.inventory: pb.Inventory | None = None
+        self._registering = asyncio.Lock()
         outbox = Outbox()
         self.reports = ReportQueue(outbox)
         self.launches = LaunchManager(
@@ -247,7 +257,7 @@ class Agent:
             raise AgentError(f"cannot look for running launches: {exc}") from None
         if capacity is not None:  # after adopting: the nodes its launches hold stay
             self.inventory = site_inventory(
-                capacity, self.config, engine, self.launches.busy_gpus()
+                capacity, self.config, engine, self.launches.started_gpus()
             )
         backoff = Backoff(max_s=self.config.max_backoff_s)
         fence = asyncio.create_task(self._fence(), name="cpn-fence")
@@ -335,7 +345,10 @@ class Agent:
                 self.control.lease_id = None
         assert self.inventory is not None
         # Orders come only once connected: the list is complete, nothing starts meanwhile.
-        await self.control.register(self.inventory, self.probe_address, self.launches.followed())
+        async with self._registering:
+            await self.control.register(
+                self.inventory, self.probe_address, self.launches.followed()
+            )
 
     async def _session(self) -> None:
         events = [
@@ -377,19 +390,34 @@ class Agent:
         engine = self.launches.engine
         if not engine.site_wide or self.inventory is None:
             return
-        try:
-            capacity = await engine.capacity()
-        except BackendError as exc:
-            log.warning("site capacity unknown: %s", exc)
-            return
-        inventory = site_inventory(capacity, self.config, engine, self.launches.busy_gpus())
-        if inventory == self.inventory:
-            return
+        # One registration at a time, each with the inventory it sets: a refresh while
+        # the connection's registration is in flight (lease not known yet) would set an
+        # inventory that no registration carried, and none would carry it later.
+        async with self._registering:
+            capacity = await self._capacity()
+            if capacity is None:
+                return
+            inventory = site_inventory(capacity, self.config, engine, self.launches.started_gpus())
+            if inventory != self.inventory:
+                await self._register_again(inventory)
+
+    async def _capacity(self) -> Capacity | None:
+        for attempt in range(CAPACITY_TRIES):
+            try:
+                return await self.launches.engine.capacity()
+            except BackendError as exc:
+                log.warning("site capacity unknown: %s", exc)
+            if attempt < CAPACITY_TRIES - 1:
+                await asyncio.sleep(1.0)
+        return None
+
+    async def _register_again(self, inventory: pb.Inventory) -> None:
+        assert self.inventory is not None
         before = {n.name for n in self.inventory.nodes}
         after = {n.name for n in inventory.nodes}
         log.warning(
             "%s now offers %d nodes (gone: %s; back: %s); registering again",
-            engine.name,
+            self.launches.engine.name,
             len(after),
             ", ".join(sorted(before - after)) or "none",
             ", ".join(sorted(after - before)) or "none",

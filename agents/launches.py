@@ -105,7 +105,10 @@ class LaunchManager:
     time_limit_s: int = 24 * 3600
     #: Awaited when the engine lost a node under a launch, before the ranks say so: the
     #: agent registers what its site still offers first, so that the job is not planned
-    #: onto the lost node again.
+    #: onto the lost node again. (A launch that ended otherwise on a node the engine no
+    #: longer offers leaves it registered until the next capacity check, a few seconds:
+    #: registering it away first would reach the control plane before the ranks' own
+    #: word on how they ended, which is what judges the job.)
     on_node_lost: Callable[[], Awaitable[None]] | None = None
     #: The newest WAN measurement per peer site (`LinkBook.latest`), written into every
     #: launch's run directories for `wan: auto` jobs (`publish_links`).
@@ -134,6 +137,17 @@ class LaunchManager:
     def busy_gpus(self) -> set[tuple[str, int]]:
         return {
             (r.node, r.gpu) for run in self._launches.values() if run.running for r in run.ranks
+        }
+
+    def started_gpus(self) -> set[tuple[str, int]]:
+        """(node, GPU) of every launch the engine has started and not ended: what a node
+        the engine no longer offers keeps registered (`agents.agent.site_inventory`). A
+        launch still queued holds nothing there: the engine may never start it."""
+        return {
+            (r.node, r.gpu)
+            for run in self._launches.values()
+            if run.status.state in (State.STARTING, State.RUNNING)
+            for r in run.ranks
         }
 
     def publish_links(self) -> None:
@@ -305,7 +319,14 @@ class LaunchManager:
                 self.report(followed.last)
             if handle.epoch:
                 self._epochs.add((handle.job_id, handle.epoch))
-            self._watch(_Launch(handle.job_id, handle, ranks, epoch=handle.epoch))
+            # Its state now, before the agent registers: a launch that runs keeps its GPUs
+            # registered on a node the engine stopped offering, one that ended does not.
+            try:
+                status = await self.engine.poll(handle)
+            except BackendError as exc:  # asked again by the monitor
+                log.warning("job %s: %s", handle.job_id, exc)
+                status = Status(State.PENDING)
+            self._watch(_Launch(handle.job_id, handle, ranks, epoch=handle.epoch, status=status))
             adopted.append(handle.job_id)
             log.info("job %s: adopted %s %s", handle.job_id, self.engine.name, handle.native_id)
         return adopted

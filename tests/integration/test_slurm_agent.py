@@ -138,6 +138,7 @@ def test_the_slurm_agent_restarted_adopts_its_job(sites: tuple[Cluster, SlurmClu
         assert (job.epoch, job.losses, job.restarts) == (1, 0, 0)
         assert "adopted slurm" in log
         assert job.progress.step == 300
+        # Once the launch ended, the next capacity check drops the drained node.
         wait_until(lambda: _free_gpus(client, "b") == 1, 60, "drained node2 offered no more")
     finally:
         slurm.run("scontrol", "update", "nodename=node2", "state=resume")
