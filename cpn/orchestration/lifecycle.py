@@ -32,6 +32,9 @@ from cpn.registry.models import (
 )
 
 LAST_LINES = 20
+#: How a fenced agent's stopped ranks begin their message (agents.agent.Agent._fence:
+#: the protocol has no field of its own for it).
+FENCED = "fenced: "
 
 
 def world_size(job: Job) -> int:
@@ -78,10 +81,14 @@ def advance(
         first = min(tasks[r].updated_at for r in failed + stopped)
         if settle_s and (now - first).total_seconds() < settle_s:
             return None
-        rank = failed[0] if failed else stopped[0]
+        # A rank its agent fenced (cut off from us for a lease TTL) is a loss of
+        # infrastructure, and the failures beside it are its consequences: the workers of
+        # the sites whose agents had not fenced yet fail on their broken collectives.
+        fenced = [r for r in stopped if tasks[r].message.startswith(FENCED)]
+        rank = fenced[0] if fenced else failed[0] if failed else stopped[0]
         task = tasks[rank]
         lines = last_lines(session, job.id, rank)
-        what = f"exited with {task.exit_code}" if failed else "was stopped by its agent"
+        what = f"exited with {task.exit_code}" if rank in failed else "was stopped by its agent"
         reason = f"rank {rank} ({task.site}) {what}"
         if task.message and task.message != f"exited with {task.exit_code}":
             reason += f": {task.message}"
@@ -94,10 +101,10 @@ def advance(
             "message": task.message,
             "last_lines": lines,
         }
-        if not failed:
-            # Stopped with no worker failing and no stop order of ours (the job would not
-            # be active): its agent fenced it, cut off from us for a lease TTL. A loss of
-            # infrastructure, not the job's fault: planned again, not counted as a restart.
+        if fenced or not failed:
+            # Stopped with no stop order of ours (the job would not be active): its agent
+            # fenced it, cut off from us for a lease TTL. A loss of infrastructure, not
+            # the job's fault: planned again, not counted as a restart.
             recovery.reschedule(session, settings, job, reason)
             return JobState.RESCHEDULING
         return recovery.worker_failed(session, settings, job, failure, reason)
@@ -180,26 +187,32 @@ def lost_gpus(session: Session, job_ids: list[str]) -> dict[str, str]:
     """Active jobs holding a GPU that is lost → where (site/node).
 
     A site whose ranks of the job's current epoch have all ended is done with its GPUs:
-    a node lost there afterwards (a site engine's agent registers a drained node away
-    once the launch on it ended, while the other sites' ranks may still be finishing) is
-    no loss to the job; how the ranks ended judges it (`advance`). Counted against the
-    job's GPUs at the site (a rank per GPU), so a rank that has not reported its end
-    keeps the site in the job."""
+    a node its live agent registered away afterwards (a site engine's agent drops a
+    drained node once the launch on it ended, while the other sites' ranks may still be
+    finishing) is no loss to the job; how the ranks ended judges it (`advance`). Counted
+    against the job's GPUs at the site (a rank per GPU), so a rank that has not reported
+    its end keeps the site in the job. An agent lost (its lease expired) is a loss
+    whatever its ranks reported: their failure may have been its loss seen early."""
     if not job_ids:
         return {}
     rows = session.execute(
-        select(Allocation.job_id, Site.name, Node.name, Gpu.status)
+        select(Allocation.job_id, Site.name, Node.name, Gpu.status, Agent.status)
         .join(Gpu, Allocation.gpu_id == Gpu.id)
         .join(Node, Gpu.node_id == Node.id)
         .join(Site, Node.site_id == Site.id)
+        .outerjoin(Agent, Node.agent_pk == Agent.id)
         .where(Allocation.job_id.in_(job_ids))
     )
     held: dict[tuple[str, str], int] = {}
     lost: dict[str, list[tuple[str, str]]] = {}
-    for job_id, site, node, status in rows:
+    #: (job, site) with a GPU whose agent was lost: a loss whatever the ranks said.
+    agent_lost: set[tuple[str, str]] = set()
+    for job_id, site, node, status, agent in rows:
         held[(job_id, site)] = held.get((job_id, site), 0) + 1
         if status is GpuStatus.LOST:
             lost.setdefault(job_id, []).append((site, node))
+            if agent is not AgentStatus.ALIVE:
+                agent_lost.add((job_id, site))
     if not lost:
         return {}
     ended = session.execute(
@@ -217,7 +230,7 @@ def lost_gpus(session: Session, job_ids: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for job_id, places in lost.items():
         for site, node in sorted(places):
-            if done.get((job_id, site), 0) < held[(job_id, site)]:
+            if (job_id, site) in agent_lost or done.get((job_id, site), 0) < held[(job_id, site)]:
                 out[job_id] = f"{site}/{node}"
                 break
     return out

@@ -44,7 +44,12 @@ def _running_job(registry: Registry, **spec: Any) -> str:
     return job_id
 
 
-def _judge(registry: Registry, job_id: str, ranks: dict[int, tuple[TaskState, str]]) -> Job:
+def _judge(
+    registry: Registry,
+    job_id: str,
+    ranks: dict[int, tuple[TaskState, str]],
+    settle_s: float = SETTLE_S,
+) -> Job:
     """Ranks 0 and 1 at site b, 2 and 3 at site a, in the given states; one advance."""
     with registry.write() as s:
         for rank, (state, message) in ranks.items():
@@ -58,7 +63,7 @@ def _judge(registry: Registry, job_id: str, ranks: dict[int, tuple[TaskState, st
         job = s.get(Job, job_id)
         assert job is not None
         settings = ControlSettings(database_url=registry.url)
-        lifecycle.advance(s, job, settings, SETTLE_S)
+        lifecycle.advance(s, job, settings, settle_s)
     with registry.read() as s:
         job = s.get(Job, job_id)
         assert job is not None
@@ -144,38 +149,62 @@ def test_ranks_the_engine_still_queues_are_live_and_not_an_end(registry: Registr
         assert lifecycle.live_tasks(s, row) == 4
 
 
+@pytest.mark.parametrize("how", ["registered away", "agent lost"])
 @pytest.mark.parametrize(
-    ("b_ranks", "lost"),
+    ("b_ranks", "ended"),
     [
-        ({}, True),  # nothing reported at b: its node's loss is the job's
-        ({2: TaskState.SUCCEEDED}, True),  # one of b's two ranks still to finish
-        ({2: TaskState.SUCCEEDED, 3: TaskState.RUNNING}, True),
-        ({2: TaskState.SUCCEEDED, 3: TaskState.SUCCEEDED}, False),  # b is done with it
-        ({2: TaskState.FAILED, 3: TaskState.STOPPED}, False),  # their end judges the job
+        ({}, False),  # nothing reported at b: its node's loss is the job's
+        ({2: TaskState.SUCCEEDED}, False),  # one of b's two ranks still to finish
+        ({2: TaskState.SUCCEEDED, 3: TaskState.RUNNING}, False),
+        ({2: TaskState.SUCCEEDED, 3: TaskState.SUCCEEDED}, True),
+        ({2: TaskState.FAILED, 3: TaskState.STOPPED}, True),
     ],
 )
-def test_a_node_lost_after_its_sites_ranks_all_ended_is_no_loss(
-    registry: Registry, b_ranks: dict[int, TaskState], lost: bool
+def test_a_node_registered_away_after_its_sites_ranks_all_ended_is_no_loss(
+    registry: Registry, b_ranks: dict[int, TaskState], ended: bool, how: str
 ) -> None:
     """A site engine's agent registers a drained node away once the launch on it ended,
     while the other sites' ranks may still be finishing: the job keeps going (or is
-    judged by how the ranks ended, not as a loss)."""
+    judged by how the ranks ended). An agent lost is a loss whatever its ranks said."""
     register(registry, "a", nodes=(node("a-n0", gpus=2),))
     b = register(registry, "b", nodes=(node("b-n0", gpus=2),))
     with registry.write() as s:
         create_job(s, "j", "j").epoch = 1
         allocate_gpus(s, "j", {"a": {"a-n0": [0, 1]}, "b": {"b-n0": [0, 1]}})
-        mark_lost(s, b.agent_pk, b.lease_id, utcnow(), "test")
         for rank in (0, 1):  # a's ranks run on
-            s.add(
-                Task(
-                    job_id="j", rank=rank, epoch=1, site="a", agent_id="x", state=TaskState.RUNNING
-                )
-            )
+            s.add(Task(job_id="j", rank=rank, epoch=1, site="a", agent_id="x",
+                       state=TaskState.RUNNING))  # fmt: skip
         for rank, state in b_ranks.items():
             s.add(Task(job_id="j", rank=rank, epoch=1, site="b", agent_id="x", state=state))
-        # A rank of b that succeeded in an earlier epoch does not count.
-        s.add(Task(job_id="j", rank=9, epoch=0, site="b", agent_id="x", state=TaskState.SUCCEEDED))
-        s.flush()
+        # A rank of b that ended in an earlier epoch does not count.
+        s.add(Task(job_id="j", rank=9, epoch=0, site="b", agent_id="x",
+                   state=TaskState.SUCCEEDED))  # fmt: skip
+        if how == "agent lost":
+            mark_lost(s, b.agent_pk, b.lease_id, utcnow(), "test")
+    if how == "registered away":  # the same agent, alive, without the node
+        register(registry, "b", nodes=(node("b-n1", gpus=2),))
+    with registry.write() as s:
         found = lifecycle.lost_gpus(s, ["j"])
-    assert found == ({"j": "b/b-n0"} if lost else {})
+    assert found == ({} if ended and how == "registered away" else {"j": "b/b-n0"})
+
+
+@pytest.mark.parametrize(
+    ("b_stopped", "expected", "losses"),
+    [
+        # b's agent fenced its ranks (cut off for a lease TTL); a's failed on their broken
+        # collectives before their own agent's fence: b's loss, not a's failure.
+        ("fenced: no contact with the control plane for 4 s", JobState.RESCHEDULING, 1),
+        # The same failures beside ranks stopped otherwise are the job's (default policy).
+        ("stopped: the launcher ended", JobState.FAILED, 0),
+    ],
+)
+def test_failures_beside_a_fenced_rank_are_its_consequences(
+    registry: Registry, b_stopped: str, expected: JobState, losses: int
+) -> None:
+    job_id = _running_job(registry)
+    b = (TaskState.STOPPED, b_stopped)
+    job = _judge(registry, job_id, {0: b, 1: b, 2: PEERS_FAILED, 3: PEERS_FAILED}, settle_s=0.0)
+    assert job.state is expected, job.state_reason
+    assert (job.losses, job.restarts) == (losses, 0)
+    if expected is JobState.RESCHEDULING:
+        assert job.state_reason.startswith("rank 0 (b) was stopped by its agent: fenced:")
