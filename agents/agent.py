@@ -393,10 +393,10 @@ class Agent:
         # One registration at a time, each with the inventory it sets: a refresh while
         # the connection's registration is in flight (lease not known yet) would set an
         # inventory that no registration carried, and none would carry it later.
+        capacity = await self._capacity()  # outside the lock: it may take a while
+        if capacity is None:
+            return
         async with self._registering:
-            capacity = await self._capacity()
-            if capacity is None:
-                return
             inventory = site_inventory(capacity, self.config, engine, self.launches.started_gpus())
             if inventory != self.inventory:
                 await self._register_again(inventory)

@@ -140,13 +140,14 @@ class LaunchManager:
         }
 
     def started_gpus(self) -> set[tuple[str, int]]:
-        """(node, GPU) of every launch the engine has started and not ended: what a node
-        the engine no longer offers keeps registered (`agents.agent.site_inventory`). A
-        launch still queued holds nothing there: the engine may never start it."""
+        """(node, GPU) of every launch not ended and not queued: what a node the engine no
+        longer offers keeps registered (`agents.agent.site_inventory`). A launch still
+        queued holds nothing there (the engine may never start it); one whose state the
+        engine did not say for a moment (UNKNOWN) is still counted."""
         return {
             (r.node, r.gpu)
             for run in self._launches.values()
-            if run.status.state in (State.STARTING, State.RUNNING)
+            if run.running and run.status.state is not State.PENDING
             for r in run.ranks
         }
 
@@ -325,8 +326,11 @@ class LaunchManager:
                 status = await self.engine.poll(handle)
             except BackendError as exc:  # asked again by the monitor
                 log.warning("job %s: %s", handle.job_id, exc)
-                status = Status(State.PENDING)
-            self._watch(_Launch(handle.job_id, handle, ranks, epoch=handle.epoch, status=status))
+                status = Status(State.UNKNOWN, "", str(exc))
+            run = _Launch(handle.job_id, handle, ranks, epoch=handle.epoch, status=status)
+            if status.state is State.PENDING:  # still queued: its ranks say why
+                self._pending(run, status)
+            self._watch(run)
             adopted.append(handle.job_id)
             log.info("job %s: adopted %s %s", handle.job_id, self.engine.name, handle.native_id)
         return adopted

@@ -365,7 +365,8 @@ class SlurmBackend:
             port = (
                 f"PORT_FILE={shlex.quote(str(port_file))}\n"
                 'if [ "$K" = 0 ]; then\n'
-                f"  CPN_RDZV_PORT=$({shlex.quote(sys.executable)} -c {shlex.quote(pick)})\n"
+                f"  CPN_RDZV_PORT=$({shlex.quote(sys.executable)} -c {shlex.quote(pick)})"
+                ' || { echo "cpn: cannot pick a rendezvous port" >&2; exit 1; }\n'
                 '  echo "$CPN_RDZV_PORT" > "$PORT_FILE.tmp" && mv "$PORT_FILE.tmp" "$PORT_FILE"\n'
                 "else\n"
                 '  for _ in $(seq 600); do [ -s "$PORT_FILE" ] && break; sleep 0.1; done\n'
