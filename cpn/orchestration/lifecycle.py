@@ -6,6 +6,7 @@ that preempted the work or lost a node — puts it in RESCHEDULING, planned agai
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime
 
 from sqlalchemy import select, tuple_
@@ -32,7 +33,7 @@ from cpn.registry.models import (
 )
 
 LAST_LINES = 20
-#: How a fenced agent's stopped ranks begin their message (agents.agent.Agent._fence:
+#: How a fenced agent's stopped ranks begin their message (`agents.agent.FENCED_REASON`:
 #: the protocol has no field of its own for it).
 FENCED = "fenced: "
 
@@ -195,44 +196,49 @@ def lost_gpus(session: Session, job_ids: list[str]) -> dict[str, str]:
     whatever its ranks reported: their failure may have been its loss seen early."""
     if not job_ids:
         return {}
+    # The lost GPUs first (the loop asks on every pass, and almost always none is lost);
+    # the rest only for the jobs that hold one.
     rows = session.execute(
-        select(Allocation.job_id, Site.name, Node.name, Gpu.status, Agent.status)
+        select(Allocation.job_id, Site.name, Node.name, Agent.status)
         .join(Gpu, Allocation.gpu_id == Gpu.id)
         .join(Node, Gpu.node_id == Node.id)
         .join(Site, Node.site_id == Site.id)
         .outerjoin(Agent, Node.agent_pk == Agent.id)
-        .where(Allocation.job_id.in_(job_ids))
-    )
-    held: dict[tuple[str, str], int] = {}
-    lost: dict[str, list[tuple[str, str]]] = {}
-    #: (job, site) with a GPU whose agent was lost: a loss whatever the ranks said.
-    agent_lost: set[tuple[str, str]] = set()
-    for job_id, site, node, status, agent in rows:
-        held[(job_id, site)] = held.get((job_id, site), 0) + 1
-        if status is GpuStatus.LOST:
-            lost.setdefault(job_id, []).append((site, node))
-            if agent is not AgentStatus.ALIVE:
-                agent_lost.add((job_id, site))
-    if not lost:
+        .where(Allocation.job_id.in_(job_ids), Gpu.status == GpuStatus.LOST)
+    ).all()
+    if not rows:
         return {}
-    ended = session.execute(
-        select(Task.job_id, Task.site)
-        .join(Job, Job.id == Task.job_id)
-        .where(
-            Task.job_id.in_(list(lost)),
-            Task.epoch == Job.epoch,
-            Task.state.in_(FINAL_TASK_STATES),
+    jobs = sorted({job_id for job_id, *_ in rows})
+    held = Counter(
+        (job_id, site)
+        for job_id, site in session.execute(
+            select(Allocation.job_id, Site.name)
+            .join(Gpu, Allocation.gpu_id == Gpu.id)
+            .join(Node, Gpu.node_id == Node.id)
+            .join(Site, Node.site_id == Site.id)
+            .where(Allocation.job_id.in_(jobs))
         )
     )
-    done: dict[tuple[str, str], int] = {}
-    for job_id, site in ended:
-        done[(job_id, site)] = done.get((job_id, site), 0) + 1
+    ended = Counter(
+        (job_id, site)
+        for job_id, site in session.execute(
+            select(Task.job_id, Task.site)
+            .join(Job, Job.id == Task.job_id)
+            .where(
+                Task.job_id.in_(jobs),
+                Task.epoch == Job.epoch,
+                Task.state.in_(FINAL_TASK_STATES),
+            )
+        )
+    )
     out: dict[str, str] = {}
-    for job_id, places in lost.items():
-        for site, node in sorted(places):
-            if (job_id, site) in agent_lost or done.get((job_id, site), 0) < held[(job_id, site)]:
-                out[job_id] = f"{site}/{node}"
-                break
+    for job_id, site, node, agent in sorted(rows, key=lambda r: (r[0], r[1], r[2])):
+        # An agent lost is a loss whatever the ranks said; a node registered away by a
+        # live agent is one only while a rank at its site has not ended.
+        if job_id not in out and (
+            agent is not AgentStatus.ALIVE or ended[(job_id, site)] < held[(job_id, site)]
+        ):
+            out[job_id] = f"{site}/{node}"
     return out
 
 
