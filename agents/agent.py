@@ -59,6 +59,9 @@ log = logging.getLogger("cpn.agent")
 FENCE_CHECK_S = 0.5
 #: How often a site engine's agent compares what the engine offers with what it registered.
 CAPACITY_CHECK_S = 5.0
+#: What a fenced agent's stopped ranks say: the control plane reads the prefix as a loss
+#: of infrastructure (`cpn.orchestration.lifecycle.FENCED`; the protocol has no field).
+FENCED_REASON = "fenced: no contact with the control plane for {silent:.0f} s"
 #: Tries at reading the engine's capacity, a second apart, before a refresh gives up
 #: (after a launch ended, the next periodic check is the next chance).
 CAPACITY_TRIES = 3
@@ -154,10 +157,10 @@ def site_inventory(
     A node the engine no longer offers (down, drained, not responding) still lists the
     GPUs that a started launch of this agent runs on (`held`: (node, GPU) pairs), up to
     the highest of them, until the launch ends (a capacity check then drops the node):
-    the launch's fate is the engine's word. Slurm lets running
-    jobs finish on a draining node, and fails them itself (NODE_FAIL) when a node that
-    stopped answering is declared down; dropping the node at once planned the job again
-    on a ping that a loaded node missed for a moment."""
+    the launch's fate is the engine's word. Slurm lets running jobs finish on a draining
+    node, and fails them itself (NODE_FAIL) when a node that stopped answering is
+    declared down; dropping the node at once planned the job again on a ping that a
+    loaded node missed for a moment."""
     nodes = []
     for n in capacity.nodes:
         if n.usable:
@@ -308,9 +311,7 @@ class Agent:
                     silent,
                     self.control.lease_ttl_s,
                 )
-                await self.launches.stop_all(
-                    f"fenced: no contact with the control plane for {silent:.0f} s", fence=True
-                )
+                await self.launches.stop_all(FENCED_REASON.format(silent=silent), fence=True)
 
     async def _after_rpc_error(self, exc: aio.AioRpcError, backoff: Backoff) -> None:
         if exc.code() in REFUSALS:
@@ -390,12 +391,12 @@ class Agent:
         engine = self.launches.engine
         if not engine.site_wide or self.inventory is None:
             return
-        # One registration at a time, each with the inventory it sets: a refresh while
-        # the connection's registration is in flight (lease not known yet) would set an
-        # inventory that no registration carried, and none would carry it later.
         capacity = await self._capacity()  # outside the lock: it may take a while
         if capacity is None:
             return
+        # One registration at a time, each with the inventory it sets: a refresh while
+        # the connection's registration is in flight (lease not known yet) would set an
+        # inventory that no registration carried, and none would carry it later.
         async with self._registering:
             inventory = site_inventory(capacity, self.config, engine, self.launches.started_gpus())
             if inventory != self.inventory:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from agents.agent import FENCED_REASON
 from cpn.contracts import JobSpec
 from cpn.control.settings import ControlSettings
 from cpn.orchestration import JobService, Principal, lifecycle
@@ -202,6 +203,8 @@ def test_failures_beside_a_fenced_rank_are_its_consequences(
     registry: Registry, b_stopped: str, expected: JobState, losses: int
 ) -> None:
     job_id = _running_job(registry)
+    if b_stopped.startswith("fenced"):  # what a fenced agent really says
+        b_stopped = FENCED_REASON.format(silent=4.2)
     b = (TaskState.STOPPED, b_stopped)
     job = _judge(registry, job_id, {0: b, 1: b, 2: PEERS_FAILED, 3: PEERS_FAILED}, settle_s=0.0)
     assert job.state is expected, job.state_reason
