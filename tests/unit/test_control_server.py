@@ -478,7 +478,7 @@ def test_orders_outlive_a_restart_and_are_delivered_once(db_url: str) -> None:
         wait_for(lambda: delivered(srv), what="both orders marked delivered")
         stream.cancel()
         channel.close()
-    with control_server(db_url, migrate=False, lease_ttl_s=1, reaper_interval_s=0.1) as srv:
+    with control_server(db_url, migrate=False, lease_ttl_s=3, reaper_interval_s=0.1) as srv:
         channel, client = stub(srv.server.port)
         lease = _register(client).lease_id
         later = srv.server.dispatcher.stop("a", "agent-1", job_id="job-2")
@@ -490,7 +490,10 @@ def test_orders_outlive_a_restart_and_are_delivered_once(db_url: str) -> None:
         assert next(stream).order_id == later  # nothing delivered before comes again
         wait_for(lambda: delivered(srv), what="the new order marked delivered")
         stream.cancel()
-        # Queued for an agent that then goes silent: dropped when it is declared lost.
+        # Queued for an agent that then goes silent: dropped when it is declared lost. (Its
+        # lease renewed just before, or on a loaded machine it could expire before the
+        # order is queued — CI once: "0 orders dropped" — with a 1 s lease and no renewal.)
+        _heartbeat(client, lease)
         srv.server.dispatcher.stop("a", "agent-1", job_id="job-3")
 
         def dropped() -> bool:
